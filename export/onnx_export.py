@@ -1,0 +1,189 @@
+"""Graph -> ONNX, and the on-the-spot parity check against PyTorch eager."""
+from __future__ import annotations
+
+import logging
+import warnings
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from specdeploy.runtime.bundle import ModelSpec
+from specdeploy.runtime.errors import ExportError
+
+from .graph import OPSET, SpecGraph, kv_write, kv_write_onnx
+
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
+# Largest |ONNX Runtime - eager| allowed, relative to the largest |logit|, per dtype.
+PARITY_RTOL = {"fp32": 1e-4, "fp16": 2e-2}
+
+
+def io_names(num_layers: int) -> tuple[list[str], list[str]]:
+    kv = [(f"past_{kind}_{i}", f"present_{kind}_{i}") for i in range(num_layers) for kind in ("key", "value")]
+    inputs = ["input_ids", "position_ids", "write_indices", "attention_mask"] + [p for p, _ in kv]
+    outputs = ["logits"] + [p for _, p in kv]
+    return inputs, outputs
+
+
+def kv_buffers(graph: SpecGraph, max_seq: int, dtype: torch.dtype) -> list[torch.Tensor]:
+    shape = (1, graph.num_kv_heads, max_seq, graph.head_dim)
+    return [torch.zeros(shape, dtype=dtype) for _ in range(2 * graph.num_layers)]
+
+
+def export_onnx(graph: SpecGraph, path: Path, max_seq: int, kv_dtype: torch.dtype) -> None:
+    """Export with torch.onnx (dynamo), name the dynamic dims T and L, run onnx.checker."""
+    import onnx
+
+    t = 3
+    example = (
+        torch.zeros((1, t), dtype=torch.int64),
+        torch.arange(t)[None],
+        torch.zeros(1, dtype=torch.int64),
+        torch.zeros((1, 1, t, t), dtype=torch.float32),
+        kv_buffers(graph, max_seq, kv_dtype),
+    )
+    dim_t = torch.export.Dim("T", min=1, max=max_seq)
+    dim_l = torch.export.Dim("L", min=1, max=max_seq)
+    dynamic = {
+        "input_ids": {1: dim_t},
+        "position_ids": {1: dim_t},
+        "write_indices": None,
+        "attention_mask": {2: dim_t, 3: dim_l},
+        "past": [None] * (2 * graph.num_layers),
+    }
+    inputs, outputs = io_names(graph.num_layers)
+    with warnings.catch_warnings(), _quiet_exporter():
+        warnings.simplefilter("ignore")
+        program = torch.onnx.export(
+            graph,
+            example,
+            input_names=inputs,
+            output_names=outputs,
+            opset_version=OPSET,
+            dynamo=True,
+            dynamic_shapes=dynamic,
+            custom_translation_table={torch.ops.specdeploy.kv_write.default: kv_write_onnx},
+            verbose=False,
+        )
+    program.save(path, external_data=False)
+    model = onnx.load(str(path))
+    _name_dims(model)
+    onnx.save(model, str(path))
+    onnx.checker.check_model(str(path), full_check=True)
+    ops = {n.op_type for n in model.graph.node}
+    if "TensorScatter" not in ops:
+        raise ExportError(f"{path}: export produced no TensorScatter node; the KV cache would not be written in place")
+
+
+def _name_dims(model) -> None:
+    """Give the exporter's symbolic dims the contract's names: T (tokens) and L (window)."""
+    graph_inputs = {i.name: i for i in model.graph.input}
+    rename = {
+        graph_inputs["input_ids"].type.tensor_type.shape.dim[1].dim_param: "T",
+        graph_inputs["attention_mask"].type.tensor_type.shape.dim[3].dim_param: "L",
+    }
+    for value in list(model.graph.input) + list(model.graph.output) + list(model.graph.value_info):
+        for dim in value.type.tensor_type.shape.dim:
+            if dim.dim_param in rename:
+                dim.dim_param = rename[dim.dim_param]
+
+
+class _quiet_exporter:
+    """torch.onnx prints progress lines to stdout and warnings to logging; keep the CLI clean."""
+
+    def __enter__(self):
+        import contextlib
+        import io
+
+        self._redirect = contextlib.redirect_stdout(io.StringIO())
+        self._redirect.__enter__()
+        self._level = logging.getLogger("torch").level
+        logging.getLogger("torch").setLevel(logging.ERROR)
+
+    def __exit__(self, *exc):
+        logging.getLogger("torch").setLevel(self._level)
+        return self._redirect.__exit__(*exc)
+
+
+def parity_schedule(max_seq: int, max_draft: int, prefill_chunk: int) -> list[tuple[int, int]]:
+    """(start, T) passes that cover a prefill chunk, single steps and verify passes at
+    several write positions, all inside the buffer."""
+    chunk = min(prefill_chunk, max(1, max_seq // 4))
+    schedule = [(0, chunk)]
+    pos = chunk
+    for t in (1, max_draft + 1, 1, 2, max_draft + 1, 1):
+        if pos + t > max_seq:
+            break
+        schedule.append((pos, t))
+        pos += t
+    return schedule
+
+
+def check_parity(
+    graph: SpecGraph,
+    onnx_path: Path,
+    spec: ModelSpec,
+    max_seq: int,
+    max_draft: int,
+    prefill_chunk: int,
+    dtype: str,
+    hf_model=None,
+    seed: int = 0,
+) -> dict:
+    """Run the same passes through ONNX Runtime and PyTorch eager; compare every logit.
+
+    With `hf_model`, eager is also checked against the source model's own forward over
+    the whole sequence (the slow reference). Returns the max differences; raises on a
+    difference past PARITY_RTOL.
+    """
+    from specdeploy.runtime.backends import attention_mask
+    from specdeploy.runtime.backends.ort import OrtEngine
+
+    engine = OrtEngine(onnx_path, spec, max_seq, threads=None)
+    kv_dtype = DTYPES[dtype]
+    past = kv_buffers(graph, max_seq, kv_dtype)
+    rng = np.random.default_rng(seed)
+    schedule = parity_schedule(max_seq, max_draft, prefill_chunk)
+    total = sum(t for _, t in schedule)
+    ids = rng.integers(0, spec.vocab_size, size=total)
+    graph.inplace = True
+    worst_ort = worst_hf = 0.0
+    eager_rows = []
+    try:
+        with torch.no_grad():
+            for start, t in schedule:
+                chunk = ids[start : start + t]
+                got = engine.forward(chunk, start).copy()
+                mask = torch.from_numpy(attention_mask(start, t, spec.sliding_window))
+                want = graph(
+                    torch.from_numpy(chunk)[None], torch.arange(start, start + t)[None], torch.tensor([start]), mask, past
+                )[0][0].float().numpy()
+                worst_ort = max(worst_ort, float(np.abs(got - want).max()) / max(1.0, float(np.abs(want).max())))
+                eager_rows.append(want)
+            if hf_model is not None:
+                ref = hf_model(torch.from_numpy(ids)[None]).logits[0].float().numpy()
+                mine = np.concatenate(eager_rows)
+                worst_hf = float(np.abs(ref - mine).max()) / max(1.0, float(np.abs(ref).max()))
+    finally:
+        graph.inplace = False
+    bound = PARITY_RTOL[dtype]
+    if worst_ort > bound:
+        raise ExportError(
+            f"{onnx_path.name}: ONNX Runtime logits differ from PyTorch eager by {worst_ort:.2e} "
+            f"(relative to the largest logit), over the {bound:.0e} bound"
+        )
+    if worst_hf > bound:
+        raise ExportError(
+            f"{onnx_path.name}: the exported module differs from the source model by {worst_hf:.2e}, over {bound:.0e}"
+        )
+    return {
+        "passes": [list(p) for p in schedule],
+        "max_rel_diff_ort_vs_eager": worst_ort,
+        "max_rel_diff_eager_vs_source": worst_hf if hf_model is not None else None,
+        "bound": bound,
+    }
+
+
+
+
+__all__ = ["DTYPES", "check_parity", "export_onnx", "io_names", "kv_write"]

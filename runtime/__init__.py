@@ -1,0 +1,27 @@
+"""specdeploy runtime: a lean speculative-decoding loop over exported bundles.
+
+    from specdeploy.runtime import Session
+    session = Session("engines/smollm2")
+    for piece in session.stream("Write a haiku about the sea.", chat=True):
+        print(piece.text, end="", flush=True)
+
+Imports numpy, onnxruntime and tokenizers only; never torch or transformers.
+"""
+from .bundle import Bundle, load_bundle
+from .errors import BundleError, ExportError, InputError, SpecdeployError
+from .loop import Stats
+from .session import Generation, Piece, Result, Session
+
+__all__ = [
+    "Bundle",
+    "BundleError",
+    "ExportError",
+    "Generation",
+    "InputError",
+    "Piece",
+    "Result",
+    "Session",
+    "SpecdeployError",
+    "Stats",
+    "load_bundle",
+]

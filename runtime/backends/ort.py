@@ -1,0 +1,76 @@
+"""ONNX Runtime backend: IOBinding over KV buffers allocated once and written in place.
+
+Every KV buffer is bound as both `past_*` input and `present_*` output, so the graph's
+TensorScatter writes into it where it lies. Buffers and their bindings live as long as
+the engine; a pass binds only its small inputs and a logits buffer of its T.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+
+from ..bundle import ModelSpec
+from . import attention_mask, check_pass
+
+
+def session_options(threads: int | None = None) -> ort.SessionOptions:
+    so = ort.SessionOptions()
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    so.intra_op_num_threads = threads or os.cpu_count() or 1
+    so.inter_op_num_threads = 1
+    so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    so.log_severity_level = 3
+    return so
+
+
+class OrtEngine:
+    """One graph of a bundle on ONNX Runtime (CPU)."""
+
+    def __init__(self, graph_path: Path, spec: ModelSpec, max_seq: int, threads: int | None = None):
+        self.spec = spec
+        self.name = f"{spec.role} ({graph_path.name})"
+        self.max_seq = max_seq
+        self.vocab_size = spec.vocab_size
+        self.session = ort.InferenceSession(str(graph_path), session_options(threads), providers=["CPUExecutionProvider"])
+        shape = (1, spec.num_kv_heads, max_seq, spec.head_dim)
+        # Host arrays own the memory; OrtValues view it. Allocated once, bound once.
+        self.kv_arrays = [np.zeros(shape, dtype=spec.kv_dtype) for _ in spec.kv_names]
+        self._kv_values = [ort.OrtValue.ortvalue_from_numpy(a) for a in self.kv_arrays]
+        self._binding = self.session.io_binding()
+        for (inp, out), value in zip(spec.kv_names, self._kv_values):
+            self._binding.bind_ortvalue_input(inp, value)
+            self._binding.bind_ortvalue_output(out, value)
+        self._logits: dict[int, np.ndarray] = {}  # one output buffer per distinct T
+        self._logits_values: dict[int, ort.OrtValue] = {}
+
+    def kv_addresses(self) -> list[int]:
+        return [v.data_ptr() for v in self._kv_values]
+
+    def forward(self, token_ids: np.ndarray, start: int) -> np.ndarray:
+        """token_ids [T] at positions start..start+T-1 -> logits [T, V].
+
+        The returned array is this engine's buffer for T: valid until the next pass of
+        the same T.
+        """
+        token_ids = np.asarray(token_ids, dtype=np.int64)
+        check_pass(self.name, token_ids, start, self.max_seq, self.vocab_size)
+        t = token_ids.shape[0]
+        b = self._binding
+        # Kept referenced until the run ends: the binding may view their memory.
+        self._inputs = {
+            "input_ids": np.ascontiguousarray(token_ids[None]),
+            "position_ids": np.arange(start, start + t, dtype=np.int64)[None],
+            "write_indices": np.array([start], dtype=np.int64),
+            "attention_mask": attention_mask(start, t, self.spec.sliding_window),
+        }
+        for name, value in self._inputs.items():
+            b.bind_cpu_input(name, value)
+        if t not in self._logits:
+            self._logits[t] = np.empty((1, t, self.vocab_size), dtype=np.float32)
+            self._logits_values[t] = ort.OrtValue.ortvalue_from_numpy(self._logits[t])
+        b.bind_ortvalue_output("logits", self._logits_values[t])
+        self.session.run_with_iobinding(b)
+        return self._logits[t][0]

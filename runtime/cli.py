@@ -1,0 +1,120 @@
+"""The `specdeploy` command. Thin: every command calls library functions.
+
+User mistakes print one line on stderr (`error: ...`) and exit 1, never a traceback.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import click
+
+from .errors import InputError, SpecdeployError
+
+DEFAULT_PROMPT = "Explain in three short sentences why the sky is blue."
+
+
+class _Cli(click.Group):
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except SpecdeployError as e:
+            click.echo(f"error: {e}", err=True)
+            ctx.exit(1)
+
+
+@click.group(cls=_Cli)
+def main():
+    """Export draft and target models into bundles; run lossless speculative decoding."""
+
+
+@main.command("export")
+@click.option("--target", required=True, help="Hugging Face model folder or .gguf file ('smollm2': the embedded default).")
+@click.option("--draft", default="ngram", show_default=True, help="PATH (a model sharing the target's tokenizer), self:layers=N, ngram, or none.")
+@click.option("--out", required=True, type=click.Path(path_type=Path), help="Bundle folder to write.")
+@click.option("--max-seq", default=1024, show_default=True, help="KV buffer length: prompt + new tokens must fit.")
+@click.option("--max-draft", default=8, show_default=True, help="Largest draft length a verify pass may carry.")
+@click.option("--dtype", type=click.Choice(["fp32", "fp16"]), default="fp32", show_default=True, help="Weights and KV cache (fp16 is for GPUs).")
+@click.option("--prefill-chunk", default=64, show_default=True, help="Prompt tokens per prefill pass.")
+def export_cmd(target, draft, out, max_seq, max_draft, dtype, prefill_chunk):
+    """Export TARGET (and its draft) into an ONNX bundle with in-place KV buffers."""
+    from specdeploy.export import build_bundle, embedded_default
+
+    if target == "smollm2":
+        target = embedded_default()
+    build_bundle(target, draft, out, max_seq, max_draft, dtype, prefill_chunk, log=lambda m: click.echo(m, err=True))
+
+
+def _parse_ids(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.replace(",", " ").split()]
+    except ValueError:
+        raise InputError(f"--prompt-ids {text!r}: expected integers separated by commas") from None
+
+
+@main.command()
+@click.argument("bundle", type=click.Path(path_type=Path))
+@click.option("--prompt", help="Prompt text.")
+@click.option("--prompt-ids", help="Prompt as token ids, comma separated (instead of --prompt).")
+@click.option("--chat", is_flag=True, help="Wrap the prompt in the bundle's chat template as a user message.")
+@click.option("--max-new-tokens", default=128, show_default=True)
+@click.option("--draft-len", type=int, help="Draft tokens per round (default: the bundle's max draft).")
+@click.option("--no-speculate", is_flag=True, help="Plain decoding with the target alone.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object: text, token_ids, stats.")
+@click.option("--threads", type=int, help="ONNX Runtime intra-op threads (default: all cores).")
+def generate(bundle, prompt, prompt_ids, chat, max_new_tokens, draft_len, no_speculate, as_json, threads):
+    """Generate from BUNDLE, streaming the text."""
+    from .session import Session
+
+    if (prompt is None) == (prompt_ids is None):
+        raise InputError("give exactly one of --prompt or --prompt-ids")
+    session = Session(bundle, threads=threads)
+    kwargs = dict(max_new_tokens=max_new_tokens, draft_len=draft_len, speculate=not no_speculate, chat=chat)
+    if prompt_ids is not None:
+        kwargs["prompt_ids"] = _parse_ids(prompt_ids)
+    gen = session.stream(prompt, **kwargs)
+    if as_json:
+        result = session.collect(gen)
+        click.echo(json.dumps({"text": result.text, "token_ids": result.token_ids, "stats": result.stats.as_dict()}))
+        return
+    for piece in gen:
+        click.echo(piece.text, nl=False)
+        sys.stdout.flush()
+    click.echo()
+    s = gen.stats
+    click.echo(
+        f"[{s.new_tokens} tokens, {s.tokens_per_second:.1f} tok/s, acceptance {s.acceptance_rate:.2f}, "
+        f"{s.mean_accepted:.2f} tokens per target pass]",
+        err=True,
+    )
+
+
+@main.command()
+@click.argument("bundle", type=click.Path(path_type=Path))
+@click.option("--no-verify", is_flag=True, help="Skip the checksums.")
+def inspect(bundle, no_verify):
+    """Print BUNDLE's manifest in human terms."""
+    from .bundle import load_bundle
+    from .report import describe
+
+    click.echo(describe(load_bundle(bundle, verify=not no_verify)))
+
+
+@main.command()
+@click.option("--out", type=click.Path(path_type=Path), default=Path("engines/smollm2"), show_default=True)
+@click.option("--draft", default="ngram", show_default=True, help="Draft for the bundle (see `export`).")
+@click.option("--prompt", default=DEFAULT_PROMPT, show_default=True)
+@click.option("--max-new-tokens", default=128, show_default=True)
+@click.option("--draft-len", type=int)
+@click.option("--rebuild", is_flag=True, help="Export again even if the bundle exists.")
+def demo(out, draft, prompt, max_new_tokens, draft_len, rebuild):
+    """The main job on the embedded default: export SmolLM2-135M-Instruct (once), answer a
+    chat prompt with speculative decoding, then compare with plain decoding."""
+    from .demo import run_demo
+
+    run_demo(out, draft, prompt, max_new_tokens, draft_len, rebuild)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,43 @@
+"""The main job: the embedded default model, exported once, answering a chat prompt."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import click
+
+from .bundle import load_bundle
+from .errors import BundleError
+from .report import summary
+from .session import Session
+
+
+def _bundle_ready(out: Path, draft: str) -> bool:
+    try:
+        bundle = load_bundle(out)
+    except BundleError:
+        return False
+    kind = bundle.draft_kind
+    want = "self" if draft.startswith("self:") else draft
+    if kind != want:
+        return False
+    return kind != "self" or f"self:layers={bundle.manifest['draft']['layers']}" == draft
+
+
+def run_demo(out: Path, draft: str, prompt: str, max_new_tokens: int, draft_len: int | None, rebuild: bool) -> None:
+    if rebuild or not _bundle_ready(out, draft):
+        from specdeploy.export import build_bundle, embedded_default
+
+        click.echo(f"exporting SmolLM2-135M-Instruct with draft {draft} to {out} (once; later runs reuse it)", err=True)
+        build_bundle(embedded_default(), draft, out, log=lambda m: click.echo(m, err=True))
+    session = Session(out)
+    click.echo(f"\n> {prompt}\n")
+    gen = session.stream(prompt, chat=True, max_new_tokens=max_new_tokens, draft_len=draft_len)
+    ids: list[int] = []
+    for piece in gen:
+        ids += piece.token_ids
+        click.echo(piece.text, nl=False)
+        sys.stdout.flush()
+    click.echo("\n")
+    plain = session.generate(prompt, chat=True, max_new_tokens=max_new_tokens, speculate=False)
+    click.echo(summary(gen.stats, plain.stats, ids == plain.token_ids))

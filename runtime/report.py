@@ -1,0 +1,68 @@
+"""Human-readable views of bundles and runs."""
+from __future__ import annotations
+
+from .bundle import Bundle
+from .loop import Stats
+
+
+def _mib(n_bytes: int) -> str:
+    return f"{n_bytes / 2**20:.1f} MiB"
+
+
+def describe(bundle: Bundle) -> str:
+    m = bundle.manifest
+    lines = [
+        f"bundle      {bundle.path}",
+        f"format      {m['format']} v{m['format_version']}, {m['created_by']}, {m.get('created_at', '?')}",
+        f"sequence    max {m['max_seq']} tokens (prompt + new), draft up to {m['max_draft']} per round, "
+        f"prefill chunk {m['prefill_chunk']}",
+    ]
+    draft = m["draft"]
+    detail = {
+        "model": f"a separate model ({draft.get('source')})",
+        "self": f"the target's first {draft.get('layers')} layers + its norm and head",
+        "ngram": f"prompt lookup, n-grams {draft.get('max_ngram')}..{draft.get('min_ngram')}, no graph",
+        "none": "none (plain decoding only)",
+    }[draft["kind"]]
+    lines.append(f"draft       {draft['kind']}: {detail}")
+    for role, e in m["models"].items():
+        size = (bundle.path / e["graph"]).stat().st_size if (bundle.path / e["graph"]).exists() else 0
+        lines += [
+            f"{role:<11} {e['graph']} ({_mib(size)}): {e['architecture']}, {e['num_layers']}/{e['source_layers']} layers, "
+            f"hidden {e['hidden_size']}, heads {e['num_heads']} (kv {e['num_kv_heads']}) x {e['head_dim']}, "
+            f"vocab {e['vocab_size']}, {e['parameters'] / 1e6:.1f}M parameters, {e['dtype']}",
+            f"            KV: {2 * e['num_layers']} buffers [1, {e['num_kv_heads']}, {m['max_seq']}, {e['head_dim']}] "
+            f"{e['kv_dtype']}, written in place"
+            + (f", sliding window {e['sliding_window']}" if e.get("sliding_window") else ""),
+        ]
+        p = e.get("parity")
+        if p:
+            src = p.get("max_rel_diff_eager_vs_source")
+            lines.append(
+                f"            parity: ONNX Runtime vs eager {p['max_rel_diff_ort_vs_eager']:.1e}"
+                + (f", eager vs source {src:.1e}" if src is not None else "")
+                + f" (bound {p['bound']:.0e}, relative to the largest logit)"
+            )
+        lines.append(f"            source: {e['source']}")
+    tok = m["tokenizer"]
+    lines.append(
+        f"tokenizer   {tok['file']}, EOS ids {tok['eos_token_ids']}, chat template {'yes' if tok.get('chat_template') else 'no'}"
+    )
+    lines.append(f"files       {len(m['files'])} with sha256: {', '.join(m['files'])}")
+    return "\n".join(lines)
+
+
+def summary(spec: Stats, plain: Stats, identical: bool) -> str:
+    speedup = spec.tokens_per_second / plain.tokens_per_second if plain.tokens_per_second else 0.0
+    return "\n".join(
+        [
+            f"speculative  {spec.new_tokens} tokens in {spec.seconds:.2f}s = {spec.tokens_per_second:.1f} tok/s "
+            f"(first token {spec.first_token_seconds * 1000:.0f} ms)",
+            f"plain        {plain.new_tokens} tokens in {plain.seconds:.2f}s = {plain.tokens_per_second:.1f} tok/s "
+            f"(first token {plain.first_token_seconds * 1000:.0f} ms)",
+            f"speedup      {speedup:.2f}x",
+            f"acceptance   {spec.acceptance_rate:.1%} of {spec.drafted} drafted tokens; "
+            f"{spec.mean_accepted:.2f} tokens per target pass ({spec.target_passes} passes)",
+            f"identical    {'yes: token for token' if identical else 'NO: outputs differ'}",
+        ]
+    )

@@ -1,0 +1,134 @@
+"""What a service embeds: load a bundle once, then stream or collect generations."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+
+from .backends.ort import OrtEngine
+from .bundle import Bundle, load_bundle
+from .drafters import ModelDrafter, NgramDrafter
+from .errors import InputError
+from .loop import Stats, decode
+from .tokenizer import TextStream, Tokenizer
+
+
+@dataclass
+class Result:
+    text: str
+    token_ids: list[int]
+    stats: Stats
+
+
+@dataclass
+class Piece:
+    """One streamed piece: the text it completes and the token ids of its round."""
+
+    text: str
+    token_ids: list[int]
+
+
+@dataclass
+class Generation:
+    """A running generation: iterate it for pieces; `stats` fills as it goes."""
+
+    _pieces: Iterator[Piece]
+    stats: Stats = field(default_factory=Stats)
+
+    def __iter__(self) -> Iterator[Piece]:
+        return self._pieces
+
+
+class Session:
+    """A bundle loaded once, with its engines' buffers allocated once.
+
+    A session runs one generation at a time (its KV buffers are its state).
+    """
+
+    def __init__(self, bundle: str | Path | Bundle, threads: int | None = None, verify: bool = True):
+        self.bundle = bundle if isinstance(bundle, Bundle) else load_bundle(bundle, verify=verify)
+        b = self.bundle
+        self.tokenizer = Tokenizer(b.file(b.tokenizer["file"]), b.tokenizer)
+        target_spec = b.model("target")
+        self.target = OrtEngine(b.file(target_spec.graph), target_spec, b.max_seq, threads)
+        kind = b.draft_kind
+        if kind in ("model", "self"):
+            draft_spec = b.model("draft")
+            self.drafter = ModelDrafter(OrtEngine(b.file(draft_spec.graph), draft_spec, b.max_seq, threads))
+        elif kind == "ngram":
+            cfg = b.manifest["draft"]
+            self.drafter = NgramDrafter(cfg.get("max_ngram", 3), cfg.get("min_ngram", 1))
+        else:
+            self.drafter = None
+        self.eos_token_ids = self.tokenizer.eos_token_ids
+
+    # -- prompt handling -------------------------------------------------------------
+    def encode(self, prompt: str, chat: bool = False) -> list[int]:
+        return self.tokenizer.encode_chat(prompt) if chat else self.tokenizer.encode(prompt)
+
+    def check_request(self, prompt_ids: np.ndarray, max_new_tokens: int, draft_len: int) -> None:
+        max_seq = self.bundle.max_seq
+        n = prompt_ids.shape[0]
+        if n == 0:
+            raise InputError("the prompt is empty: give at least one token")
+        if max_new_tokens < 1:
+            raise InputError(f"max new tokens must be at least 1, got {max_new_tokens}")
+        if not 0 <= draft_len <= self.bundle.max_draft:
+            raise InputError(f"draft length {draft_len} is outside [0, {self.bundle.max_draft}] (the bundle's max draft)")
+        vocab = self.target.vocab_size
+        bad = np.flatnonzero((prompt_ids < 0) | (prompt_ids >= vocab))
+        if bad.size:
+            i = int(bad[0])
+            raise InputError(f"token id {int(prompt_ids[i])} at prompt position {i} is outside the vocabulary [0, {vocab})")
+        if n + max_new_tokens > max_seq:
+            raise InputError(
+                f"prompt of {n} tokens + {max_new_tokens} new tokens exceeds the bundle's max sequence of {max_seq} "
+                f"(at most {max_seq - n} new tokens fit; shorten the prompt or re-export with a larger --max-seq)"
+                if n < max_seq
+                else f"prompt of {n} tokens is longer than the bundle's max sequence of {max_seq} "
+                f"(at most {max_seq - 1} prompt tokens; re-export with a larger --max-seq)"
+            )
+
+    # -- generation ----------------------------------------------------------------------
+    def stream(
+        self,
+        prompt: str | None = None,
+        *,
+        prompt_ids=None,
+        chat: bool = False,
+        max_new_tokens: int = 128,
+        draft_len: int | None = None,
+        speculate: bool = True,
+    ) -> Generation:
+        """Start a generation; iterate the result for text pieces (valid UTF-8 each)."""
+        if (prompt is None) == (prompt_ids is None):
+            raise InputError("give either a prompt text or prompt token ids")
+        ids = np.asarray(self.encode(prompt, chat) if prompt is not None else prompt_ids, dtype=np.int64).reshape(-1)
+        k = self.bundle.max_draft if draft_len is None else draft_len
+        drafter = self.drafter if speculate and k > 0 else None
+        self.check_request(ids, max_new_tokens, k)
+        stats = Stats()
+        rounds = decode(self.target, drafter, ids, max_new_tokens, k, self.eos_token_ids, self.bundle.prefill_chunk, stats)
+
+        def pieces() -> Iterator[Piece]:
+            text = TextStream(self.tokenizer)
+            for new in rounds:
+                yield Piece(text.push(new), new.tolist())
+            tail = text.flush()
+            if tail:
+                yield Piece(tail, [])
+
+        return Generation(pieces(), stats)
+
+    def generate(self, prompt: str | None = None, **kwargs) -> Result:
+        return self.collect(self.stream(prompt, **kwargs))
+
+    @staticmethod
+    def collect(gen: Generation) -> Result:
+        texts, ids = [], []
+        for piece in gen:
+            texts.append(piece.text)
+            ids += piece.token_ids
+        return Result("".join(texts), ids, gen.stats)

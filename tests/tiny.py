@@ -1,0 +1,89 @@
+"""Tiny models the tests build themselves: a byte-level BPE tokenizer and random
+Llama / Qwen2 / Mistral configs a few layers deep, saved as Hugging Face folders."""
+from __future__ import annotations
+
+from pathlib import Path
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+CORPUS = [
+    "The quick brown fox jumps over the lazy dog. " * 3,
+    "def add(a, b):\n    return a + b\n\nprint(add(2, 3))\n",
+    "Speculative decoding drafts tokens cheaply and verifies them in one pass.",
+    "Zürich, Köln and Málaga are cities; 東京 is Tokyo. Emoji: 🚀🙂",
+    "Summaries keep the key facts: who, what, where, when and why.",
+]
+
+PROMPTS = [
+    "The quick brown fox",
+    "def add(a, b):",
+    "Speculative decoding",
+    "Zürich and Köln",
+    "Summaries keep the key facts",
+    "print(add(2, 3))",
+    "jumps over the lazy dog. The quick",
+    "who, what, where",
+    "Emoji: 🚀",
+    "a",
+    "The lazy dog drafts tokens cheaply and verifies them in one pass, then the fox jumps over it again and again.",
+    "return a + b",
+    "cities; 東京 is Tokyo.",
+    "one pass. one pass. one pass.",
+    "The The The The",
+    "verifies them",
+    "brown fox jumps over the lazy dog. The quick brown fox jumps over the lazy dog. The quick brown",
+    "Málaga",
+    "key facts: who, what",
+    "\n\nprint(",
+]
+
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+
+def make_tokenizer(folder: Path, vocab_size: int = 320, corpus: list[str] = CORPUS):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=SPECIALS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tok.train_from_iterator(corpus, trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<|im_start|>", eos_token="<|im_end|>", pad_token="<|endoftext|>"
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(folder)
+    return fast
+
+
+def make_model(folder: Path, arch: str = "llama", seed: int = 0, layers: int = 3, vocab_size: int = 320, **overrides):
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
+
+    config_class = {"llama": LlamaConfig, "qwen2": Qwen2Config, "mistral": MistralConfig}[arch]
+    kwargs = dict(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        initializer_range=0.08,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+        tie_word_embeddings=False,
+    )
+    kwargs.update(overrides)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config_class(**kwargs)).eval()
+    model.save_pretrained(folder)
+    make_tokenizer(folder, vocab_size)
+    return model
