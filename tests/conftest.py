@@ -1,0 +1,61 @@
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+sys.path.insert(0, str(Path(__file__).parent))
+
+import tiny  # noqa: E402
+
+MAX_SEQ = 128
+PREFILL_CHUNK = 16  # smaller than the longer prompts, so prefill runs in several chunks
+
+
+@pytest.fixture(scope="session")
+def models(tmp_path_factory):
+    """Tiny random source models, as Hugging Face folders, sharing one tokenizer."""
+    root = tmp_path_factory.mktemp("models")
+    made = {}
+    for name, arch, seed, layers, extra in [
+        ("llama", "llama", 0, 3, {}),
+        ("llama_draft", "llama", 1, 1, {}),
+        ("qwen2", "qwen2", 2, 3, {}),
+        ("mistral", "mistral", 3, 3, {"sliding_window": 40}),
+        ("mistral_draft", "mistral", 4, 1, {"sliding_window": 40}),
+    ]:
+        tiny.make_model(root / name, arch, seed=seed, layers=layers, **extra)
+        made[name] = root / name
+    return made
+
+
+BUNDLES = {
+    # name: (target, draft)
+    "llama-model": ("llama", "llama_draft"),
+    "llama-self": ("llama", "self:layers=1"),
+    "llama-ngram": ("llama", "ngram"),
+    "llama-same": ("llama", "llama"),  # the target as its own draft: every draft token accepted
+    "qwen2-self": ("qwen2", "self:layers=1"),
+    "mistral-model": ("mistral", "mistral_draft"),
+}
+
+
+@pytest.fixture(scope="session")
+def bundles(models, tmp_path_factory):
+    """Exported lazily: a test asks for one bundle by name."""
+    from specdeploy.export import build_bundle
+
+    root = tmp_path_factory.mktemp("bundles")
+    built = {}
+
+    def get(name):
+        if name not in built:
+            target, draft = BUNDLES[name]
+            draft = str(models[draft]) if draft in models else draft
+            build_bundle(models[target], draft, root / name, max_seq=MAX_SEQ, max_draft=8, prefill_chunk=PREFILL_CHUNK)
+            built[name] = root / name
+        return built[name]
+
+    return get
