@@ -59,6 +59,14 @@ def kv_write_inplace(cache: torch.Tensor, update: torch.Tensor, write_indices: t
     return cache
 
 
+def rms_norm(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The source's RMSNorm, spelled x / sqrt(mean(x^2) + eps) * w: ONNX Runtime fuses this
+    form into one SimplifiedLayerNormalization node (the rsqrt form stays six nodes)."""
+    eps = getattr(norm, "variance_epsilon", None) or getattr(norm, "eps")
+    x32 = x.float()
+    return norm.weight * (x32 / torch.sqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
@@ -107,7 +115,7 @@ class SpecGraph(nn.Module):
         presents = []
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
-            x = layer.input_layernorm(h)
+            x = rms_norm(layer.input_layernorm, h)
             q = attn.q_proj(x).view(b, t, self.num_heads, self.head_dim).transpose(1, 2)
             k = attn.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
             v = attn.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
@@ -118,15 +126,17 @@ class SpecGraph(nn.Module):
             value_cache = write(past[2 * i + 1], v.to(past[2 * i + 1].dtype), write_indices)
             presents += [key_cache, value_cache]
             # Only the first L slots are read: stale slots past the length never are.
-            keys = key_cache[:, :, :window].to(h.dtype)[:, :, None]  # [B, Hkv, 1, L, D]
-            values = value_cache[:, :, :window].to(h.dtype)[:, :, None]
-            # Grouped-query attention without copying K/V per head: broadcast over groups.
-            qg = q.reshape(b, self.num_kv_heads, groups, t, self.head_dim)
-            scores = torch.matmul(qg, keys.transpose(-1, -2)) * self.scaling + mask
+            keys = key_cache[:, :, :window].to(h.dtype)  # [B, Hkv, L, D]
+            values = value_cache[:, :, :window].to(h.dtype)
+            # Grouped-query attention without copying K/V per head: the G query heads that
+            # share a KV head are stacked as G*T rows of one plain matmul.
+            qg = q.reshape(b, self.num_kv_heads, groups * t, self.head_dim)
+            scores = torch.matmul(qg, keys.transpose(-1, -2)) * self.scaling  # [B, Hkv, G*T, L]
+            scores = scores.view(b, self.num_kv_heads, groups, t, window) + mask
             probs = torch.softmax(scores.float(), dim=-1).to(h.dtype)
-            out = torch.matmul(probs, values)  # [B, Hkv, G, T, D]
+            out = torch.matmul(probs.view(b, self.num_kv_heads, groups * t, window), values)  # [B, Hkv, G*T, D]
             out = out.reshape(b, self.num_heads, t, self.head_dim).transpose(1, 2).reshape(b, t, -1)
             h = h + attn.o_proj(out)
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
-        logits = self.lm_head(self.norm(h)).float()
+            h = h + layer.mlp(rms_norm(layer.post_attention_layernorm, h))
+        logits = self.lm_head(rms_norm(self.norm, h)).float()
         return (logits, *presents)
