@@ -37,8 +37,11 @@ class Source:
         return self.model.config
 
 
-def load_source(path: str | Path) -> Source:
-    """Load a Llama-family causal LM and its tokenizer in float32, offline."""
+def load_source(path: "str | Path | Source") -> Source:
+    """Load a Llama-family causal LM and its tokenizer in float32, offline.
+    A Source already loaded is returned as it is."""
+    if isinstance(path, Source):
+        return path
     import torch
     import transformers
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer

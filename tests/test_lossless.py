@@ -79,3 +79,19 @@ def test_max_new_tokens_is_exact(bundles):
         result = session.generate(PROMPTS[3], max_new_tokens=n, draft_len=8)
         assert len(result.token_ids) == n or result.token_ids[-1] in session.eos_token_ids
         assert np.all(np.array(result.stats.proposed_at) >= 0)
+
+
+def test_fp16_bundle_is_lossless_against_itself(models, tmp_path):
+    """Speculation is lossless with respect to the engine deployed, whatever its dtype."""
+    from specdeploy.export import build_bundle
+
+    manifest = build_bundle(models["llama"], "self:layers=1", tmp_path / "fp16", max_seq=96, dtype="fp16")
+    target = manifest["models"]["target"]
+    assert (target["dtype"], target["kv_dtype"]) == ("fp16", "float16")
+    assert target["parity"]["max_rel_diff_ort_vs_eager"] <= target["parity"]["bound"]
+    session = Session(tmp_path / "fp16")
+    assert session.target.kv_arrays[0].dtype == np.float16
+    for prompt in PROMPTS[:10]:
+        plain = session.generate(prompt, max_new_tokens=24, speculate=False)
+        for k in (2, 8):
+            assert session.generate(prompt, max_new_tokens=24, draft_len=k).token_ids == plain.token_ids
