@@ -30,7 +30,7 @@ def main() -> None:
     ap.add_argument("--prompts", default=str(HERE / "prompts.txt"))
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--draft-len", type=int)
+    ap.add_argument("--draft-len", default="auto")
     ap.add_argument("--json")
     args = ap.parse_args()
     prompts = [p for p in Path(args.prompts).read_text().splitlines() if p.strip()]

@@ -59,18 +59,25 @@ def _parse_ids(text: str) -> list[int]:
 @click.option("--prompt-ids", help="Prompt as token ids, comma separated (instead of --prompt).")
 @click.option("--chat", is_flag=True, help="Wrap the prompt in the bundle's chat template as a user message.")
 @click.option("--max-new-tokens", default=128, show_default=True)
-@click.option("--draft-len", type=int, help="Draft tokens per round (default: the bundle's max draft).")
+@click.option("--draft-len", default="auto", show_default=True, help="Draft tokens per round: K (pinned) or auto.")
 @click.option("--no-speculate", is_flag=True, help="Plain decoding with the target alone.")
+@click.option("--temperature", default=0.0, show_default=True, help="0 is greedy.")
+@click.option("--top-k", default=0, show_default=True, help="Keep the K most likely tokens (0: off).")
+@click.option("--top-p", default=1.0, show_default=True, help="Keep the smallest set with this much mass (1: off).")
+@click.option("--seed", type=int, help="Seed for sampling: the same seed gives the same text.")
+@click.option("--stop", multiple=True, help="Stop string (repeatable); the text ends before it.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object: text, token_ids, stats.")
 @click.option("--threads", type=int, help="ONNX Runtime intra-op threads (default: all cores).")
-def generate(bundle, prompt, prompt_ids, chat, max_new_tokens, draft_len, no_speculate, as_json, threads):
+def generate(bundle, prompt, prompt_ids, chat, max_new_tokens, draft_len, no_speculate, temperature, top_k, top_p,
+             seed, stop, as_json, threads):
     """Generate from BUNDLE, streaming the text."""
     from .session import Session
 
     if (prompt is None) == (prompt_ids is None):
         raise InputError("give exactly one of --prompt or --prompt-ids")
     session = Session(bundle, threads=threads)
-    kwargs = dict(max_new_tokens=max_new_tokens, draft_len=draft_len, speculate=not no_speculate, chat=chat)
+    kwargs = dict(max_new_tokens=max_new_tokens, draft_len=draft_len, speculate=not no_speculate, chat=chat,
+                  temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, stop=stop)
     if prompt_ids is not None:
         kwargs["prompt_ids"] = _parse_ids(prompt_ids)
     gen = session.stream(prompt, **kwargs)
@@ -106,7 +113,7 @@ def inspect(bundle, no_verify):
 @click.option("--draft", default="ngram", show_default=True, help="Draft for the bundle (see `export`).")
 @click.option("--prompt", default=DEFAULT_PROMPT, show_default=True)
 @click.option("--max-new-tokens", default=128, show_default=True)
-@click.option("--draft-len", type=int)
+@click.option("--draft-len", default="auto", show_default=True)
 @click.option("--rebuild", is_flag=True, help="Export again even if the bundle exists.")
 def demo(out, draft, prompt, max_new_tokens, draft_len, rebuild):
     """The main job on the embedded default: export SmolLM2-135M-Instruct (once), answer a

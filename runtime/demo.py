@@ -24,7 +24,7 @@ def _bundle_ready(out: Path, draft: str) -> bool:
     return kind != "self" or f"self:layers={bundle.manifest['draft']['layers']}" == draft
 
 
-def run_demo(out: Path, draft: str, prompt: str, max_new_tokens: int, draft_len: int | None, rebuild: bool) -> None:
+def run_demo(out: Path, draft: str, prompt: str, max_new_tokens: int, draft_len: int | str, rebuild: bool) -> None:
     if rebuild or not _bundle_ready(out, draft):
         from specdeploy.export import build_bundle, embedded_default
 

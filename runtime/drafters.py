@@ -1,7 +1,9 @@
 """Drafters propose the next tokens; the target decides.
 
-Protocol: `propose(ids, k) -> (draft_tokens [k'], draft_logits [k', V] or None)` with
-k' <= k. None means a point mass on each proposed token (a model-free drafter).
+Protocol: `propose(ids, k, params, rng) -> (draft_tokens [k'], draft_probs [k', V] or None)`
+with k' <= k. None means a point mass on each proposed token (a model-free drafter), so
+one verifier serves every drafter. Under sampling, a model drafter samples its tokens from
+its own warped distribution, which the verifier needs as `draft_probs`.
 """
 from __future__ import annotations
 
@@ -10,12 +12,15 @@ import time
 import numpy as np
 
 from .backends import Engine
+from .sampling import SamplingParams, sample, warp
 
 
 class ModelDrafter:
-    """A draft graph with its own KV buffers, run one token at a time."""
+    """A draft graph with its own KV buffers, run one token at a time.
 
-    has_probs = True
+    `min_confidence` stops a round early when the draft's own probability for the token
+    it is about to propose falls below it (0: never); the adaptive draft length sets it.
+    """
 
     def __init__(self, engine: Engine):
         self.engine = engine
@@ -23,49 +28,65 @@ class ModelDrafter:
         self.length = 0
         self.passes = 0
         self.seconds = 0.0
+        self.min_confidence = 0.0
 
     def reset(self) -> None:
         self.length = 0
 
-    def propose(self, ids: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray | None]:
-        """ids [n] committed tokens -> k draft tokens and the draft logits they came from."""
+    def propose(self, ids: np.ndarray, k: int, params: SamplingParams, rng: np.random.Generator):
+        """ids [n] committed tokens -> up to k draft tokens and their draft probs."""
         t0 = time.perf_counter()
         n = ids.shape[0]
         # Rollback is moving the length back to what the cache and the text agree on;
         # the first pass then catches up on every token the cache has not seen.
-        same = self.fed[: min(self.length, n - 1)] == ids[: min(self.length, n - 1)]
-        self.length = int(same.argmin()) if not same.all() else same.shape[0]
+        m = min(self.length, n - 1)
+        same = self.fed[:m] == ids[:m]
+        self.length = m if same.all() else int(same.argmin())
         pending = ids[self.length :]
         tokens = np.empty(k, dtype=np.int64)
-        logits = np.empty((k, self.engine.vocab_size), dtype=np.float32)
+        probs = None if params.greedy else np.empty((k, self.engine.vocab_size), dtype=np.float64)
+        count = 0
         for i in range(k):
-            out = self.engine.forward(pending, self.length)
+            logits = self.engine.forward(pending, self.length)[-1]
             self.fed[self.length : self.length + pending.shape[0]] = pending
             self.length += pending.shape[0]
-            logits[i] = out[-1]
-            tokens[i] = logits[i].argmax()
+            self.passes += 1
+            if params.greedy:
+                token = int(logits.argmax())
+                confidence = _softmax_max(logits) if self.min_confidence else 1.0
+            else:
+                probs[i] = warp(logits, params)
+                token = sample(probs[i], rng)
+                confidence = probs[i, token]
+            if i > 0 and confidence < self.min_confidence:
+                break  # unsure: stop drafting here (the first token is always proposed)
+            tokens[i] = token
+            count += 1
             pending = tokens[i : i + 1]
-        self.passes += k
         self.seconds += time.perf_counter() - t0
-        return tokens, logits
+        return tokens[:count], None if probs is None else probs[:count]
+
+
+def _softmax_max(logits: np.ndarray) -> float:
+    z = logits - logits.max()
+    return float(1.0 / np.exp(z).sum())
 
 
 class NgramDrafter:
     """Prompt lookup: find the latest earlier occurrence of the text's last n tokens
     (n from max_ngram down to min_ngram) and propose what followed it. No graph at all."""
 
-    has_probs = False
-
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
         self.max_ngram = max_ngram
         self.min_ngram = min_ngram
         self.passes = 0
         self.seconds = 0.0
+        self.min_confidence = 0.0  # no probabilities: nothing to be unsure about
 
     def reset(self) -> None:
         pass
 
-    def propose(self, ids: np.ndarray, k: int) -> tuple[np.ndarray, None]:
+    def propose(self, ids: np.ndarray, k: int, params: SamplingParams, rng: np.random.Generator):
         t0 = time.perf_counter()
         found = lookup(ids, k, self.max_ngram, self.min_ngram)
         self.seconds += time.perf_counter() - t0

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .backends import Engine
+from .sampling import SamplingParams, verify_greedy, verify_sampled, warp
 
 
 @dataclass
@@ -30,6 +31,10 @@ class Stats:
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
     seconds: float = 0.0
+    finish_reason: str = ""  # "eos", "length" or "stop"
+    draft_len_history: list[int] = field(default_factory=list)  # k chosen each round
+    last_proposed: int = 0
+    last_accepted: int = 0
 
     @property
     def acceptance_rate(self) -> float:
@@ -44,7 +49,10 @@ class Stats:
     def tokens_per_second(self) -> float:
         return self.new_tokens / self.seconds if self.seconds else 0.0
 
-    def record_round(self, proposed: int, accepted: int) -> None:
+    def record_round(self, chosen: int, proposed: int, accepted: int) -> None:
+        if chosen:
+            self.draft_len_history.append(chosen)
+        self.last_proposed, self.last_accepted = proposed, accepted
         grow = proposed - len(self.proposed_at)
         if grow > 0:
             self.proposed_at += [0] * grow
@@ -76,6 +84,9 @@ class Stats:
             "draft_seconds": round(self.draft_seconds, 4),
             "verify_seconds": round(self.verify_seconds, 4),
             "host_seconds": round(max(host, 0.0), 4),
+            "finish_reason": self.finish_reason,
+            "draft_len_history": self.draft_len_history,
+            "draft_len_histogram": {str(k): self.draft_len_history.count(k) for k in sorted(set(self.draft_len_history))},
         }
 
 
@@ -85,23 +96,27 @@ def prefill(target: Engine, ids: np.ndarray, chunk: int) -> None:
         target.forward(ids[start : min(start + chunk, ids.shape[0] - 1)], start)
 
 
-def greedy_round(target: Engine, drafter, ids: np.ndarray, k: int, stats: Stats) -> np.ndarray:
-    """One round of greedy speculative decoding; returns the tokens it commits (1..k+1)."""
+def speculative_round(
+    target: Engine, drafter, ids: np.ndarray, k: int, params: SamplingParams, rng: np.random.Generator, stats: Stats
+) -> np.ndarray:
+    """One round: draft up to k, verify k'+1 in one target pass, accept, correct or bonus.
+    Returns the tokens it commits (1..k'+1). With k = 0 it is one plain decoding step."""
     if drafter is not None and k > 0:
-        draft_tokens, _ = drafter.propose(ids, k)  # [k'], k' <= k
+        draft_tokens, draft_probs = drafter.propose(ids, k, params, rng)  # [k'], [k', V] or None
     else:
-        draft_tokens = ids[:0]
+        draft_tokens, draft_probs = ids[:0], None
     t0 = time.perf_counter()
     target_logits = target.forward(np.concatenate([ids[-1:], draft_tokens]), ids.shape[0] - 1)  # [k'+1, V]
-    target_tokens = target_logits.argmax(axis=-1)  # [k'+1]
     stats.verify_seconds += time.perf_counter() - t0
     stats.target_passes += 1
     # Accept the longest prefix the target agrees with, then take the target's own token:
     # the correction at the first disagreement, or the bonus after k' agreements.
-    agree = draft_tokens == target_tokens[:-1]
-    n_accepted = int(agree.argmin()) if not agree.all() else agree.shape[0]
-    stats.record_round(draft_tokens.shape[0], n_accepted)
-    return target_tokens[: n_accepted + 1]
+    if params.greedy:
+        n_accepted, next_token = verify_greedy(draft_tokens, target_logits)
+    else:
+        n_accepted, next_token = verify_sampled(draft_tokens, draft_probs, warp(target_logits, params), rng)
+    stats.record_round(k, draft_tokens.shape[0], n_accepted)
+    return np.append(draft_tokens[:n_accepted], next_token)
 
 
 def decode(
@@ -109,16 +124,19 @@ def decode(
     drafter,
     prompt_ids: np.ndarray,
     max_new_tokens: int,
-    draft_len: int,
+    draft_len: "DraftLength",
     eos_token_ids: list[int],
     prefill_chunk: int,
+    params: SamplingParams,
     stats: Stats,
 ):
     """Yield the committed tokens of each round until EOS or max_new_tokens.
 
     The caller has checked that prompt + max_new_tokens fits the bundle's max sequence.
+    One host synchronisation per round: the verify pass's logits come back to decide.
     """
     t_start = time.perf_counter()
+    rng = np.random.default_rng(params.seed)
     ids = np.empty(prompt_ids.shape[0] + max_new_tokens, dtype=np.int64)  # allocated once
     n = prompt_ids.shape[0]
     ids[:n] = prompt_ids
@@ -130,10 +148,15 @@ def decode(
     stats.prefill_seconds = time.perf_counter() - t_start
     eos = np.asarray(eos_token_ids, dtype=np.int64)
     produced = 0
+    stats.finish_reason = "length"
     while produced < max_new_tokens:
         # Never draft past the tokens still wanted: they would be thrown away.
-        k = min(draft_len, max_new_tokens - produced - 1)
-        new = greedy_round(target, drafter, ids[:n], k, stats)
+        k = min(draft_len.choose(drafter), max_new_tokens - produced - 1) if drafter is not None else 0
+        draft_before, verify_before = (drafter.seconds if drafter else 0.0), stats.verify_seconds
+        new = speculative_round(target, drafter, ids[:n], k, params, rng, stats)
+        if drafter is not None and k > 0:
+            draft_len.update(stats.last_proposed, stats.last_accepted, drafter.seconds - draft_before,
+                             stats.verify_seconds - verify_before)
         stop = np.flatnonzero(np.isin(new, eos))
         if stop.size:
             new = new[: stop[0] + 1]
@@ -148,6 +171,61 @@ def decode(
         stats.seconds = time.perf_counter() - t_start
         if produced == new.shape[0]:
             stats.first_token_seconds = stats.seconds
+        if stop.size:
+            stats.finish_reason = "eos"
         yield new
         if stop.size:
             return
+
+
+class DraftLength:
+    """Chooses k each round: pinned, or `auto` within the bundle's maximum.
+
+    auto picks the k that maximises expected tokens per unit of time under the analytic
+    model (DESIGN.md section 4) with the acceptance rate a and the cost ratio c measured so
+    far in this generation: tokens(k) = (1 - a^(k+1)) / (1 - a), time(k) = k*c + v(k), where
+    v(k) is the verify pass's cost at T = k+1 relative to T = 1 (it grows a little with T).
+    The drafter also stops early when it is unsure of its next token (confidence below
+    `min_confidence`). Greedy output never depends on k: it only changes the speed.
+    """
+
+    def __init__(self, max_k: int, fixed: int | None = None, min_confidence: float = 0.3, decay: float = 0.8):
+        self.max_k = max_k
+        self.fixed = fixed
+        self.min_confidence = 0.0 if fixed is not None else min_confidence
+        self.decay = decay
+        self.accepted = 2.0  # pseudo-counts: start at a = 2/3, optimistic enough to try drafting
+        self.rejected = 1.0
+        self.cost_ratio = 0.1  # draft step / verify pass; measured from the first round on
+        self.verify_slope = 0.05  # extra verify cost per extra token, relative to T = 1
+        self._verify_t1: float | None = None
+
+    @property
+    def acceptance(self) -> float:
+        return self.accepted / (self.accepted + self.rejected)
+
+    def choose(self, drafter) -> int:
+        if self.fixed is not None:
+            return self.fixed
+        drafter.min_confidence = self.min_confidence
+        a = min(self.acceptance, 0.999)
+        best_k, best = 1, -1.0
+        for k in range(1, self.max_k + 1):
+            rate = (1 - a ** (k + 1)) / (1 - a) / (k * self.cost_ratio + 1 + self.verify_slope * k)
+            if rate > best:
+                best_k, best = k, rate
+        return best_k
+
+    def update(self, proposed: int, accepted: int, draft_seconds: float, verify_seconds: float) -> None:
+        d = self.decay
+        self.accepted = d * self.accepted + accepted
+        self.rejected = d * self.rejected + (1 if accepted < proposed else 0)
+        if proposed == 0 or verify_seconds <= 0:
+            return
+        if proposed == 1 and self._verify_t1 is None:
+            self._verify_t1 = verify_seconds
+        t1 = self._verify_t1 or verify_seconds / (1 + self.verify_slope * proposed)
+        self.cost_ratio = d * self.cost_ratio + (1 - d) * (draft_seconds / proposed) / t1
+        if proposed > 1 and self._verify_t1:
+            slope = max(0.0, (verify_seconds / t1 - 1) / proposed)
+            self.verify_slope = d * self.verify_slope + (1 - d) * slope

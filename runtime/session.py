@@ -11,7 +11,9 @@ from .backends.ort import OrtEngine
 from .bundle import Bundle, load_bundle
 from .drafters import ModelDrafter, NgramDrafter
 from .errors import InputError
-from .loop import Stats, decode
+from .loop import DraftLength, Stats, decode
+from .sampling import SamplingParams
+from .stops import StopMatcher
 from .tokenizer import TextStream, Tokenizer
 
 
@@ -99,26 +101,53 @@ class Session:
         prompt_ids=None,
         chat: bool = False,
         max_new_tokens: int = 128,
-        draft_len: int | None = None,
+        draft_len: int | str | None = "auto",
         speculate: bool = True,
+        temperature: float = 0.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        seed: int | None = None,
+        stop: list[str] | tuple[str, ...] = (),
     ) -> Generation:
-        """Start a generation; iterate the result for text pieces (valid UTF-8 each)."""
+        """Start a generation; iterate the result for text pieces (valid UTF-8 each).
+
+        draft_len: an int pins k; "auto" (or None) lets the runtime choose each round.
+        temperature 0 is greedy; with a seed, sampling replays exactly.
+        """
         if (prompt is None) == (prompt_ids is None):
             raise InputError("give either a prompt text or prompt token ids")
         ids = np.asarray(self.encode(prompt, chat) if prompt is not None else prompt_ids, dtype=np.int64).reshape(-1)
-        k = self.bundle.max_draft if draft_len is None else draft_len
+        params = SamplingParams(temperature, top_k, top_p, seed)
+        if draft_len in (None, "auto"):
+            lengths = DraftLength(self.bundle.max_draft)
+            k = self.bundle.max_draft
+        else:
+            k = _as_int(draft_len, "draft length")
+            lengths = DraftLength(self.bundle.max_draft, fixed=k)
         drafter = self.drafter if speculate and k > 0 else None
         self.check_request(ids, max_new_tokens, k)
         stats = Stats()
-        rounds = decode(self.target, drafter, ids, max_new_tokens, k, self.eos_token_ids, self.bundle.prefill_chunk, stats)
+        rounds = decode(
+            self.target, drafter, ids, max_new_tokens, lengths, self.eos_token_ids, self.bundle.prefill_chunk, params, stats
+        )
+        stops = StopMatcher(list(stop))
 
         def pieces() -> Iterator[Piece]:
             text = TextStream(self.tokenizer)
             for new in rounds:
-                yield Piece(text.push(new), new.tolist())
-            tail = text.flush()
-            if tail:
-                yield Piece(tail, [])
+                out, hit = stops.feed(text.push(new))
+                if hit:
+                    stats.finish_reason = "stop"
+                    rounds.close()
+                    yield Piece(out, new.tolist())
+                    return
+                yield Piece(out, new.tolist())
+            out, hit = stops.feed(text.flush())
+            out += "" if hit else stops.flush()
+            if hit:
+                stats.finish_reason = "stop"
+            if out:
+                yield Piece(out, [])
 
         return Generation(pieces(), stats)
 
@@ -132,3 +161,10 @@ class Session:
             texts.append(piece.text)
             ids += piece.token_ids
         return Result("".join(texts), ids, gen.stats)
+
+
+def _as_int(value, what: str) -> int:
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        raise InputError(f"{what} {value!r}: expected an integer or 'auto'") from None

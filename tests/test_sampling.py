@@ -1,0 +1,266 @@
+"""Lossless sampling, tested three ways: forced cases with +-inf logits, a seeded
+chi-square test of the output distribution (with a companion test showing it catches a
+broken sampler), and determinism under a seed."""
+import numpy as np
+import pytest
+from scipy import stats as scipy_stats
+
+from specdeploy.runtime import InputError, Session
+from specdeploy.runtime import loop as loop_module
+from specdeploy.runtime.sampling import SamplingParams, verify_greedy, verify_sampled, warp
+from specdeploy.runtime.stops import StopMatcher
+from tiny import PROMPTS
+
+INF = np.inf
+T1 = SamplingParams(temperature=1.0)
+
+
+def onehot_logits(rows, vocab=6):
+    """rows: the one token each row allows (all other logits -inf)."""
+    logits = np.full((len(rows), vocab), -INF)
+    for i, t in enumerate(rows):
+        logits[i, t] = 0.0
+    return logits
+
+
+class Draws:
+    """A stand-in rng whose uniforms are given: decides accept/reject paths exactly."""
+
+    def __init__(self, *values):
+        self.values = list(values)
+
+    def random(self):
+        return self.values.pop(0)
+
+
+def test_forced_accept_all_then_bonus():
+    target = warp(onehot_logits([1, 2, 3, 4]), T1)  # [k+1, V]
+    draft = warp(onehot_logits([1, 2, 3]), T1)
+    n, token = verify_sampled(np.array([1, 2, 3]), draft, target, Draws(0.99, 0.99, 0.99, 0.5))
+    assert (n, token) == (3, 4)
+
+
+def test_forced_reject_first_samples_the_residual():
+    target = warp(np.array([[0.0, 0.0, -INF, -INF], [0.0, -INF, -INF, -INF]]), T1)  # p0 = {0: .5, 1: .5}
+    draft = warp(np.array([[-INF, 0.0, 0.0, -INF]]), T1)  # q0 = {1: .5, 2: .5}
+    # draft proposed 2: p(2) = 0, rejected whatever the draw; residual max(0, p - q) = {0: .5} -> 0
+    n, token = verify_sampled(np.array([2]), draft, target, Draws(0.0, 0.7))
+    assert (n, token) == (0, 0)
+
+
+def test_forced_reject_in_the_middle():
+    target = warp(onehot_logits([1, 2, 5, 0]), T1)
+    draft = warp(onehot_logits([1, 2, 3]), T1)
+    n, token = verify_sampled(np.array([1, 2, 3]), draft, target, Draws(0.5, 0.5, 0.5, 0.5))
+    assert (n, token) == (2, 5)
+
+
+def test_forced_point_mass_draft():
+    # n-gram drafts have no probabilities: q is a point mass. Accept 4 (p=1), reject 3 (p=0):
+    # the residual is p with the drafted token removed.
+    target = warp(np.array([[-INF] * 4 + [0.0, -INF], [0.0, -INF, -INF, 0.0, -INF, -INF]]), T1)
+    n, token = verify_sampled(np.array([4, 3]), None, target, Draws(0.3, 0.999, 0.2))
+    assert n == 1 and token == 0
+
+
+def test_partial_acceptance_probability_is_p_over_q():
+    target = warp(np.log(np.array([[0.2, 0.8], [0.5, 0.5]])), T1)
+    draft = warp(np.log(np.array([[0.8, 0.2]])), T1)
+    # accept token 0 with probability p/q = 0.25: a draw of 0.24 accepts, 0.26 rejects (-> residual {1})
+    assert verify_sampled(np.array([0]), draft, target, Draws(0.24, 0.1))[0] == 1
+    assert verify_sampled(np.array([0]), draft, target, Draws(0.26, 0.1)) == (0, 1)
+
+
+def test_greedy_verify():
+    logits = onehot_logits([1, 2, 3])
+    assert verify_greedy(np.array([1, 2]), logits) == (2, 3)
+    assert verify_greedy(np.array([1, 0]), logits) == (1, 2)
+
+
+def test_warp_filters():
+    logits = np.log(np.array([0.5, 0.3, 0.15, 0.05]))
+    np.testing.assert_allclose(warp(logits, SamplingParams(1.0, top_k=2)), [0.625, 0.375, 0, 0])
+    np.testing.assert_allclose(warp(logits, SamplingParams(1.0, top_p=0.75)), [0.625, 0.375, 0, 0])
+    np.testing.assert_allclose(warp(logits, SamplingParams(1.0, top_p=0.81)), [0.5, 0.3, 0.15, 0] / np.float64(0.95))
+    assert warp(logits, SamplingParams(0.0)).tolist() == [1, 0, 0, 0]
+    hot = warp(logits, SamplingParams(0.5))
+    np.testing.assert_allclose(hot, np.array([0.25, 0.09, 0.0225, 0.0025]) / 0.365)
+    with pytest.raises(InputError, match="top-p 0 is outside"):
+        SamplingParams(1.0, top_p=0)
+
+
+# -- the distribution test --------------------------------------------------------------
+
+VOCAB = 16
+SAMPLES = 1500
+ALPHA = 1e-3  # significance: a correct sampler fails a given seeded run with probability 0.1%
+SETTINGS = [SamplingParams(1.0), SamplingParams(0.7, top_k=6), SamplingParams(1.3, top_p=0.9)]
+
+
+@pytest.fixture(scope="module")
+def small_vocab(tmp_path_factory):
+    import tiny
+
+    from specdeploy.export import build_bundle
+
+    root = tmp_path_factory.mktemp("small")
+    # initializer_range 0.5: peaked but not degenerate next-token distributions
+    tiny.make_model(root / "t", "llama", seed=11, layers=2, vocab_size=VOCAB, initializer_range=0.5)
+    tiny.make_model(root / "d", "llama", seed=12, layers=1, vocab_size=VOCAB, initializer_range=0.5)
+    out = {}
+    for name, draft in (("model", str(root / "d")), ("ngram", "ngram")):
+        build_bundle(root / "t", draft, root / name, max_seq=32, max_draft=4, prefill_chunk=8)
+        session = Session(root / name)
+        session.eos_token_ids = []  # every sample has two tokens: the pairs are the whole outcome
+        out[name] = session, _prompt_with_a_fair_draft(session)
+    return out
+
+
+def _prompt_with_a_fair_draft(session):
+    """A prompt [x, y, z, x, y]: the n-gram drafter proposes z, and the target gives z a
+    middling probability, so both the accept and the reject paths carry real weight."""
+    best, best_score = None, -1.0
+    for x, y, z in np.random.default_rng(0).integers(3, VOCAB, size=(60, 3)):
+        prompt = [int(x), int(y), int(z), int(x), int(y)]
+        session.target.forward(np.array(prompt), 0)
+        p = warp(session.target.forward(np.array(prompt[-1:]), 4).copy(), SETTINGS[0])[0, z]
+        if min(p, 1 - p) > best_score:
+            best, best_score = prompt, min(p, 1 - p)
+    return best
+
+
+def exact_first_two(session, prompt, params):
+    """P(first two generated tokens) from the target engine's own logits: {(a, b): p}."""
+    target = session.target
+    ids = np.array(prompt)
+    target.forward(ids, 0)
+    first = warp(target.forward(ids[-1:], len(ids) - 1).copy(), params)[0]
+    dist = {}
+    for a in np.flatnonzero(first):
+        second = warp(target.forward(np.array([a]), len(ids)).copy(), params)[0]
+        for b in np.flatnonzero(second):
+            dist[(a, b)] = first[a] * second[b]
+    return dist
+
+
+def sampled_first_two(session, prompt, params, n, draft_len=4):
+    counts = {}
+    for seed in range(n):
+        kw = dict(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, seed=seed)
+        ids = session.generate(prompt_ids=prompt, max_new_tokens=3, draft_len=draft_len, **kw).token_ids
+        key = (ids[0], ids[1])
+        counts[key] = counts.get(key, 0) + 1
+    return counts
+
+
+def chi_square_pvalue(exact, counts, n):
+    """Pearson chi-square; cells expected under 5 are pooled into one."""
+    assert set(counts) <= set(exact), "sampled a pair the target gives zero probability"
+    observed, expected = [], []
+    pool_o = pool_e = 0.0
+    for key, p in exact.items():
+        if p * n >= 5:
+            observed.append(counts.get(key, 0))
+            expected.append(p * n)
+        else:
+            pool_o += counts.get(key, 0)
+            pool_e += p * n
+    if pool_e > 0:
+        observed.append(pool_o)
+        expected.append(pool_e)
+    chi2 = sum((o - e) ** 2 / e for o, e in zip(observed, expected))
+    return float(scipy_stats.chi2.sf(chi2, len(expected) - 1)), len(expected)
+
+
+@pytest.mark.parametrize("kind", ["model", "ngram"])
+@pytest.mark.parametrize("setting", range(len(SETTINGS)))
+def test_speculative_sampling_has_the_target_distribution(small_vocab, kind, setting):
+    session, prompt = small_vocab[kind]
+    params = SETTINGS[setting]
+    exact = exact_first_two(session, prompt, params)
+    counts = sampled_first_two(session, prompt, params, SAMPLES)
+    assert sum(session.generate(prompt_ids=prompt, max_new_tokens=3, seed=0, temperature=1.0).stats.drafted
+               for _ in range(3)) > 0
+    pvalue, cells = chi_square_pvalue(exact, counts, SAMPLES)
+    assert cells >= 5
+    assert pvalue > ALPHA, f"chi-square p = {pvalue:.2e} over {cells} cells"
+
+
+def _broken_skips_residual(draft_tokens, draft_probs, target_probs, rng):
+    """A wrong sampler: on rejection it samples from p instead of norm(max(0, p - q))."""
+    from specdeploy.runtime.sampling import sample
+
+    for i in range(draft_tokens.shape[0]):
+        x = int(draft_tokens[i])
+        q = 1.0 if draft_probs is None else draft_probs[i, x]
+        if rng.random() * q < target_probs[i, x]:
+            continue
+        return i, sample(target_probs[i], rng)
+    return draft_tokens.shape[0], sample(target_probs[-1], rng)
+
+
+@pytest.mark.parametrize("kind", ["model", "ngram"])
+def test_the_distribution_test_catches_a_broken_sampler(small_vocab, kind, monkeypatch):
+    session, prompt = small_vocab[kind]
+    params = SETTINGS[0]
+    exact = exact_first_two(session, prompt, params)
+    monkeypatch.setattr(loop_module, "verify_sampled", _broken_skips_residual)
+    counts = sampled_first_two(session, prompt, params, SAMPLES)
+    pvalue, _ = chi_square_pvalue(exact, counts, SAMPLES)
+    assert pvalue < ALPHA, f"the broken sampler passed: p = {pvalue:.2e}"
+
+
+# -- determinism, stops, adaptive draft length ----------------------------------------------
+
+
+@pytest.mark.parametrize("speculate", [False, True])
+def test_same_seed_same_text(bundles, speculate):
+    session = Session(bundles("llama-model"))
+    kw = dict(max_new_tokens=30, temperature=0.9, top_p=0.95, speculate=speculate)
+    a = session.generate(PROMPTS[0], seed=123, **kw)
+    b = session.generate(PROMPTS[0], seed=123, **kw)
+    c = session.generate(PROMPTS[0], seed=124, **kw)
+    assert a.token_ids == b.token_ids and a.text == b.text
+    assert c.token_ids != a.token_ids
+
+
+def test_stop_matcher_holds_back_prefixes():
+    m = StopMatcher(["END", "\n\n"])
+    assert m.feed("abc E") == ("abc ", False)
+    assert m.feed("N") == ("", False)
+    assert m.feed("X") == ("ENX", False)  # not a stop after all: released
+    assert m.feed("\n") == ("", False)
+    assert m.feed("\nmore") == ("", True)
+    assert StopMatcher([]).feed("x") == ("x", False)
+
+
+def test_stop_string_across_a_round_boundary(bundles):
+    session = Session(bundles("llama-same"))  # every round commits several tokens
+    gen = session.stream(PROMPTS[3], max_new_tokens=60, draft_len=3)
+    pieces = [p.text for p in gen]
+    full = "".join(pieces)
+    i = next(i for i in range(1, len(pieces) - 1) if len(pieces[i]) >= 2 and len(pieces[i + 1]) >= 2)
+    stop = pieces[i][-2:] + pieces[i + 1][:2]  # spans the boundary between two rounds
+    cut = full.index(stop)
+    result = session.generate(PROMPTS[3], max_new_tokens=60, draft_len=3, stop=[stop])
+    assert result.text == full[:cut]
+    assert result.stats.finish_reason == "stop"
+    streamed = "".join(p.text for p in session.stream(PROMPTS[3], max_new_tokens=60, draft_len=3, stop=[stop]))
+    assert streamed == full[:cut]
+
+
+def test_auto_draft_length_never_changes_greedy_output(bundles):
+    for name in ("llama-model", "llama-self", "llama-ngram", "llama-same"):
+        session = Session(bundles(name))
+        for prompt in PROMPTS:
+            plain = session.generate(prompt, max_new_tokens=40, speculate=False)
+            auto = session.generate(prompt, max_new_tokens=40, draft_len="auto")
+            assert auto.token_ids == plain.token_ids, (name, prompt)
+
+
+def test_auto_draft_length_follows_acceptance(bundles):
+    always = Session(bundles("llama-same")).generate(PROMPTS[0], max_new_tokens=80, draft_len="auto")
+    assert max(always.stats.draft_len_history) == 8  # every draft accepted: k climbs to the maximum
+    rarely = Session(bundles("llama-self")).generate(PROMPTS[0], max_new_tokens=80, draft_len="auto")
+    assert rarely.stats.acceptance_rate < always.stats.acceptance_rate
+    assert np.mean(rarely.stats.draft_len_history) < np.mean(always.stats.draft_len_history)
