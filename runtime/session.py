@@ -7,7 +7,7 @@ from typing import Iterator
 
 import numpy as np
 
-from .backends.ort import OrtEngine
+from .backends import make_engine
 from .bundle import Bundle, load_bundle
 from .drafters import ModelDrafter, NgramDrafter
 from .errors import InputError
@@ -49,16 +49,19 @@ class Session:
     A session runs one generation at a time (its KV buffers are its state).
     """
 
-    def __init__(self, bundle: str | Path | Bundle, threads: int | None = None, verify: bool = True):
+    def __init__(
+        self, bundle: str | Path | Bundle, threads: int | None = None, verify: bool = True, backend: str = "ort"
+    ):
         self.bundle = bundle if isinstance(bundle, Bundle) else load_bundle(bundle, verify=verify)
         b = self.bundle
         self.tokenizer = Tokenizer(b.file(b.tokenizer["file"]), b.tokenizer)
         target_spec = b.model("target")
-        self.target = OrtEngine(b.file(target_spec.graph), target_spec, b.max_seq, threads)
+        self.backend = backend
+        self.target = make_engine(backend, b, target_spec, threads)
         kind = b.draft_kind
         if kind in ("model", "self"):
             draft_spec = b.model("draft")
-            self.drafter = ModelDrafter(OrtEngine(b.file(draft_spec.graph), draft_spec, b.max_seq, threads))
+            self.drafter = ModelDrafter(make_engine(backend, b, draft_spec, threads))
         elif kind == "ngram":
             cfg = b.manifest["draft"]
             self.drafter = NgramDrafter(cfg.get("max_ngram", 3), cfg.get("min_ngram", 1))

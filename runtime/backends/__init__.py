@@ -20,6 +20,21 @@ class Engine(Protocol):
         ...
 
 
+BACKENDS = ("ort",)
+
+
+def make_engine(backend: str, bundle, spec, threads: int | None = None) -> Engine:
+    """One engine for one graph of `bundle`. Backends import lazily: choosing `ort` never
+    imports torch, and the others' heavy imports happen only when chosen."""
+    from ..errors import InputError
+
+    if backend == "ort":
+        from .ort import OrtEngine
+
+        return OrtEngine(bundle.file(spec.graph), spec, bundle.max_seq, threads)
+    raise InputError(f"backend {backend!r} is not available (choose from {', '.join(BACKENDS)})")
+
+
 def attention_mask(start: int, t: int, sliding_window: int | None = None) -> np.ndarray:
     """Additive mask [1, 1, T, L] with L = start + T: row i sees slots 0..start+i.
 
