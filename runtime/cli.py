@@ -109,6 +109,61 @@ def inspect(bundle, no_verify):
 
 
 @main.command()
+@click.argument("bundle", type=click.Path(path_type=Path))
+@click.option("--host", default="127.0.0.1", show_default=True, help="Loopback by default; 0.0.0.0 exposes it.")
+@click.option("--port", default=8000, show_default=True)
+@click.option("--workers", default=1, show_default=True, help="Sessions generating at once (each owns its KV buffers).")
+@click.option("--max-queue", default=8, show_default=True, help="Requests allowed to wait; past it: 503.")
+@click.option("--threads", type=int, help="ONNX Runtime intra-op threads per session.")
+@click.option("--model-name", help="Model name reported by the API (default: the bundle folder name).")
+def serve(bundle, host, port, workers, max_queue, threads, model_name):
+    """Serve BUNDLE over OpenAI-compatible HTTP (completions, chat, SSE streaming, /metrics)."""
+    from .server import serve as run_server
+
+    if workers < 1 or max_queue < 0:
+        raise InputError("--workers must be >= 1 and --max-queue >= 0")
+    click.echo(f"serving {bundle} on http://{host}:{port} ({workers} session(s), queue {max_queue})", err=True)
+    run_server(str(bundle), host, port, workers, max_queue, threads, model_name)
+
+
+@main.command("eval")
+@click.argument("bundle", type=click.Path(path_type=Path))
+@click.option("--prompts", "prompts_file", required=True, type=click.Path(path_type=Path), help="One prompt per line.")
+@click.option("--max-new-tokens", default=64, show_default=True)
+@click.option("--draft-len", default="auto", show_default=True)
+@click.option("--samples", default=300, show_default=True, help="Seeded samples for the distribution test (0: skip).")
+@click.option("--alpha", default=1e-3, show_default=True, help="Significance of the chi-square test.")
+@click.option("--near-tie", default=1e-3, show_default=True, help="Logit margin under which a flip counts as a near tie.")
+@click.option("--strict", is_flag=True, help="Fail on near-tie flips too.")
+@click.option("--json", "json_out", type=click.Path(path_type=Path), help="Write the full report here.")
+def eval_cmd(bundle, prompts_file, max_new_tokens, draft_len, samples, alpha, near_tie, strict, json_out):
+    """Check the quality contract of BUNDLE: speculation changes speed, not output. Exits 3 when broken."""
+    from .evaluate import evaluate
+    from .session import Session
+
+    if not prompts_file.is_file():
+        raise InputError(f"--prompts {prompts_file}: no such file")
+    prompts = [p for p in prompts_file.read_text().splitlines() if p.strip()]
+    if not prompts:
+        raise InputError(f"--prompts {prompts_file}: no prompts in it")
+    report = evaluate(Session(bundle), prompts, max_new_tokens, draft_len, near_tie, samples, alpha, strict)
+    g = report["greedy"]
+    for row in g["rows"]:
+        extra = "" if row["match"] else f"  first difference at {row['first_difference']}, margin {row['margin']:.4f}: {row['verdict']}"
+        click.echo(f"{'ok  ' if row['match'] else 'DIFF'} {row['tokens']:>4} tokens  acceptance {row['acceptance_rate']:.2f}  {row['prompt']!r}{extra}")
+    click.echo(f"greedy: {g['exact_match_rate']:.1%} exact ({g['prompts']} prompts), {g['near_ties']} near-tie flips, {g['wrong_accepts']} wrong accepts")
+    d = report["sampling"]
+    if d:
+        click.echo(f"sampling: first-token chi-square p = {d['pvalue']:.3g} over {d.get('cells', '?')} cells, {d['samples']} samples "
+                   f"({d['drafted']} draft tokens proposed), alpha {d['alpha']}: {'ok' if d['ok'] else 'FAILED'}")
+    click.echo(f"contract {'holds' if report['contract_holds'] else 'BROKEN'}")
+    if json_out:
+        json_out.write_text(json.dumps(report, indent=2))
+    if not report["contract_holds"]:
+        sys.exit(3)
+
+
+@main.command()
 @click.option("--out", type=click.Path(path_type=Path), default=Path("engines/smollm2"), show_default=True)
 @click.option("--draft", default="ngram", show_default=True, help="Draft for the bundle (see `export`).")
 @click.option("--prompt", default=DEFAULT_PROMPT, show_default=True)

@@ -1,7 +1,8 @@
 """What a service embeds: load a bundle once, then stream or collect generations."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import threading
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
@@ -32,21 +33,52 @@ class Piece:
     token_ids: list[int]
 
 
-@dataclass
 class Generation:
-    """A running generation: iterate it for pieces; `stats` fills as it goes."""
+    """A running generation: iterate it for pieces; `stats` fills as it goes.
 
-    _pieces: Iterator[Piece]
-    stats: Stats = field(default_factory=Stats)
+    `cancel()` (from any thread) ends it after the current round, with finish reason
+    "cancelled"; `close()` ends it at once. Either frees the session for the next request.
+    """
+
+    def __init__(self, pieces: Iterator[Piece], stats: Stats, on_end=None):
+        self._pieces = pieces
+        self.stats = stats
+        self.cancelled = threading.Event()
+        self._on_end = on_end
+        self._ended = False
 
     def __iter__(self) -> Iterator[Piece]:
-        return self._pieces
+        try:
+            for piece in self._pieces:
+                yield piece
+                if self.cancelled.is_set():
+                    self.stats.finish_reason = "cancelled"
+                    break
+        finally:
+            self.close()
+
+    def cancel(self) -> None:
+        self.cancelled.set()
+
+    def __del__(self):  # a generation dropped unread still frees its session
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    def close(self) -> None:
+        if not self._ended:
+            self._ended = True
+            self._pieces.close()
+            if self._on_end is not None:
+                self._on_end()
 
 
 class Session:
     """A bundle loaded once, with its engines' buffers allocated once.
 
-    A session runs one generation at a time (its KV buffers are its state).
+    A session runs one generation at a time (its KV buffers are its state); starting a
+    second while one runs is an error. For concurrent callers use `SessionPool`.
     """
 
     def __init__(
@@ -68,10 +100,29 @@ class Session:
         else:
             self.drafter = None
         self.eos_token_ids = self.tokenizer.eos_token_ids
+        self._busy = threading.Lock()
+
+    def fork(self) -> "Session":
+        """Another session over the same loaded weights, with its own KV buffers."""
+        twin = object.__new__(Session)
+        twin.__dict__.update(self.__dict__)
+        twin.target = self.target.fork()
+        if isinstance(self.drafter, ModelDrafter):
+            twin.drafter = ModelDrafter(self.drafter.engine.fork())
+        elif isinstance(self.drafter, NgramDrafter):
+            twin.drafter = NgramDrafter(self.drafter.max_ngram, self.drafter.min_ngram)
+        twin.eos_token_ids = list(self.eos_token_ids)
+        twin._busy = threading.Lock()
+        return twin
 
     # -- prompt handling -------------------------------------------------------------
     def encode(self, prompt: str, chat: bool = False) -> list[int]:
         return self.tokenizer.encode_chat(prompt) if chat else self.tokenizer.encode(prompt)
+
+    def encode_messages(self, messages: list[dict[str, str]]) -> list[int]:
+        """A whole chat (system / user / assistant turns) through the chat template."""
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        return self.tokenizer.encode(text, add_special_tokens=False)
 
     def check_request(self, prompt_ids: np.ndarray, max_new_tokens: int, draft_len: int) -> None:
         max_seq = self.bundle.max_seq
@@ -129,6 +180,8 @@ class Session:
             lengths = DraftLength(self.bundle.max_draft, fixed=k)
         drafter = self.drafter if speculate and k > 0 else None
         self.check_request(ids, max_new_tokens, k)
+        if not self._busy.acquire(blocking=False):
+            raise InputError("this session is already generating; use one session per request (see SessionPool)")
         stats = Stats()
         rounds = decode(
             self.target, drafter, ids, max_new_tokens, lengths, self.eos_token_ids, self.bundle.prefill_chunk, params, stats
@@ -152,13 +205,13 @@ class Session:
             if out:
                 yield Piece(out, [])
 
-        return Generation(pieces(), stats)
+        return Generation(pieces(), stats, on_end=self._busy.release)
 
     def generate(self, prompt: str | None = None, **kwargs) -> Result:
         return self.collect(self.stream(prompt, **kwargs))
 
     @staticmethod
-    def collect(gen: Generation) -> Result:
+    def collect(gen: "Generation") -> Result:
         texts, ids = [], []
         for piece in gen:
             texts.append(piece.text)

@@ -20,7 +20,7 @@ class Engine(Protocol):
         ...
 
 
-BACKENDS = ("ort",)
+BACKENDS = ("ort", "torch")
 
 
 def make_engine(backend: str, bundle, spec, threads: int | None = None) -> Engine:
@@ -32,6 +32,12 @@ def make_engine(backend: str, bundle, spec, threads: int | None = None) -> Engin
         from .ort import OrtEngine
 
         return OrtEngine(bundle.file(spec.graph), spec, bundle.max_seq, threads)
+    if backend == "torch":  # imports torch and the export stage: the source model is rebuilt
+        try:
+            from .torch_engine import TorchEngine
+        except ImportError as e:
+            raise InputError(f"backend 'torch' needs PyTorch ({e}): pip install 'specdeploy[export]'") from None
+        return TorchEngine.from_bundle(bundle, spec, threads=threads)
     raise InputError(f"backend {backend!r} is not available (choose from {', '.join(BACKENDS)})")
 
 

@@ -29,12 +29,18 @@ def session_options(threads: int | None = None) -> ort.SessionOptions:
 class OrtEngine:
     """One graph of a bundle on ONNX Runtime (CPU)."""
 
-    def __init__(self, graph_path: Path, spec: ModelSpec, max_seq: int, threads: int | None = None):
+    def __init__(
+        self, graph_path: Path, spec: ModelSpec, max_seq: int, threads: int | None = None,
+        session: ort.InferenceSession | None = None,
+    ):
         self.spec = spec
+        self.graph_path = graph_path
         self.name = f"{spec.role} ({graph_path.name})"
         self.max_seq = max_seq
         self.vocab_size = spec.vocab_size
-        self.session = ort.InferenceSession(str(graph_path), session_options(threads), providers=["CPUExecutionProvider"])
+        self.session = session or ort.InferenceSession(
+            str(graph_path), session_options(threads), providers=["CPUExecutionProvider"]
+        )
         shape = (1, spec.num_kv_heads, max_seq, spec.head_dim)
         # Host arrays own the memory; OrtValues view it. Allocated once, bound once.
         self.kv_arrays = [np.zeros(shape, dtype=spec.kv_dtype) for _ in spec.kv_names]
@@ -45,6 +51,11 @@ class OrtEngine:
             self._binding.bind_ortvalue_output(out, value)
         self._logits: dict[int, np.ndarray] = {}  # one output buffer per distinct T
         self._logits_values: dict[int, ort.OrtValue] = {}
+
+    def fork(self) -> "OrtEngine":
+        """Another engine over the same weights (ONNX Runtime runs one InferenceSession from
+        several threads safely) with KV buffers and bindings of its own."""
+        return OrtEngine(self.graph_path, self.spec, self.max_seq, session=self.session)
 
     def kv_addresses(self) -> list[int]:
         return [v.data_ptr() for v in self._kv_values]

@@ -1,0 +1,185 @@
+"""Bundle ONNX -> TensorRT engines: one `<role>.plan` per model, recorded in the manifest.
+
+    static op check -> OnnxParser -> strongly typed network -> optimization profiles over T
+    -> workspace limit -> timing cache (beside the bundle) -> serialized plan -> manifest
+
+Written against the documented TensorRT Python API (10.15+, 11.x) and not run in this
+project's CI (no TensorRT, no GPU here). The pure parts, which profiles a manifest asks for
+and where the files go, are functions of their own and tested without TensorRT.
+TensorRT is imported only when an engine is built.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+from pathlib import Path
+from typing import Callable
+
+from specdeploy.runtime.backends.trt_layout import Profile, profiles_for
+from specdeploy.runtime.bundle import MANIFEST, load_bundle, sha256_file
+from specdeploy.runtime.errors import ExportError, InputError
+
+from .trt_ops import check_bundle
+
+# The first TensorRT whose ONNX parser takes TensorScatter (onnx-tensorrt 10.15 changelog).
+MIN_TENSORRT = (10, 15)
+
+
+def build_profiles(manifest: dict) -> list[Profile]:
+    """The optimization profiles a bundle's engines get: a draft step (T = 1), a verify pass
+    (T up to max_draft + 1) and a prefill chunk (T up to prefill_chunk), L up to max_seq."""
+    return profiles_for(manifest["max_seq"], manifest["max_draft"], manifest["prefill_chunk"])
+
+
+def profile_shapes(manifest: dict) -> list[dict[str, tuple]]:
+    """Per profile, {input name: (min, opt, max)}, exactly as passed to `set_shape`.
+
+    >>> profile_shapes({"max_seq": 128, "max_draft": 4, "prefill_chunk": 16})[0]["attention_mask"]
+    ((1, 1, 1, 1), (1, 1, 1, 64), (1, 1, 1, 128))
+    """
+    return [p.shapes() for p in build_profiles(manifest)]
+
+
+def plan_file(role: str) -> str:
+    return f"{role}.plan"
+
+
+def default_timing_cache(bundle_dir: str | Path) -> Path:
+    """Beside the bundle, not in it: a timing cache belongs to a GPU and a TensorRT version, not
+    to the bundle's contract, and it speeds up every rebuild of it on this machine."""
+    bundle_dir = Path(bundle_dir)
+    return bundle_dir.parent / f"{bundle_dir.name}.trt-timing.cache"
+
+
+def version_tuple(version: str) -> tuple[int, ...]:
+    """>>> version_tuple("10.15.1.29")
+    (10, 15, 1, 29)
+    """
+    return tuple(int(x) for x in re.findall(r"\d+", version))
+
+
+def _import_tensorrt():
+    from specdeploy.runtime.backends.trt import import_modules
+
+    try:
+        trt, cudart = import_modules("`specdeploy build`")
+    except InputError as e:
+        raise ExportError(str(e)) from None
+    if version_tuple(trt.__version__)[:2] < MIN_TENSORRT:
+        raise ExportError(
+            f"TensorRT {trt.__version__} is too old: its ONNX parser has no TensorScatter (the in-place KV write); "
+            f"TensorRT >= {'.'.join(map(str, MIN_TENSORRT))} is needed"
+        )
+    return trt, cudart
+
+
+def _parse(trt, builder, logger, onnx_path: Path):
+    flag = getattr(trt.NetworkDefinitionCreationFlag, "STRONGLY_TYPED", None)
+    # Strongly typed: the ONNX's own dtypes decide the precision (TensorRT 11 removed the FP16/BF16
+    # builder flags and keeps STRONGLY_TYPED only as an ignored, always-on flag).
+    network = builder.create_network(0 if flag is None else 1 << int(flag))
+    parser = trt.OnnxParser(network, logger)
+    if not parser.parse_from_file(str(onnx_path)):  # resolves external weights beside the file
+        errors = []
+        for i in range(parser.num_errors):
+            err = parser.get_error(i)
+            node = getattr(err, "node_name", lambda: "")() or err.node()
+            errors.append(f"node {node} ({getattr(err, 'node_operator', lambda: '?')()}): {err.desc()}")
+        raise ExportError(f"{onnx_path}: TensorRT's ONNX parser refused the graph: {'; '.join(errors) or 'no detail'}")
+    return network, parser
+
+
+def _timing_cache(config, path: Path, log: Callable[[str], None]):
+    data = path.read_bytes() if path.is_file() else b""
+    cache = config.create_timing_cache(data)
+    if data and cache is None:
+        log(f"  timing cache {path} is unusable here (another TensorRT or GPU); starting a new one")
+        cache = config.create_timing_cache(b"")
+    return cache
+
+
+def build_engines(
+    bundle_dir: str | Path,
+    workspace_gb: float = 4.0,
+    roles: list[str] | None = None,
+    timing_cache: str | Path | None = None,
+    log: Callable[[str], None] = lambda _: None,
+    modules=None,
+) -> dict:
+    """Build one TensorRT engine per model of the bundle (or per `roles`), write `<role>.plan`
+    beside the ONNX, record each under models[role]["trt"] with the TensorRT version, GPU name
+    and compute capability, add the plans' sha256 to manifest["files"]; returns the manifest."""
+    bundle_dir = Path(bundle_dir)
+    bundle = load_bundle(bundle_dir)
+    manifest = bundle.manifest
+    problems = check_bundle(bundle_dir)
+    if problems:
+        raise ExportError(
+            f"{bundle_dir}: {len(problems)} node(s) TensorRT's ONNX parser would refuse, first {problems[0]} "
+            f"(see `specdeploy check-trt {bundle_dir}`)"
+        )
+    trt, cudart = modules or _import_tensorrt()
+    from specdeploy.runtime.backends.trt import Cuda
+
+    gpu_name, cc = Cuda(cudart).device()
+    roles = list(manifest["models"]) if roles is None else roles
+    cache_path = Path(timing_cache) if timing_cache is not None else default_timing_cache(bundle_dir)
+    profiles = build_profiles(manifest)
+    logger = trt.Logger(trt.Logger.WARNING)
+    builder = trt.Builder(logger)
+    cache = None
+    for role in roles:
+        entry = manifest["models"].get(role)
+        if entry is None:
+            raise ExportError(f"{bundle_dir}: no {role} model in the manifest (it has {', '.join(manifest['models'])})")
+        onnx_path = bundle.file(entry["graph"])
+        t0 = time.perf_counter()
+        log(f"  {role}: parsing {onnx_path.name} (dtype {entry['dtype']}; the engine keeps the ONNX's types)")
+        network, _parser = _parse(trt, builder, logger, onnx_path)
+        config = builder.create_builder_config()
+        workspace = int(workspace_gb * (1 << 30))
+        config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, workspace)
+        for p in profiles:
+            profile = builder.create_optimization_profile()
+            for name, (lo, opt, hi) in p.shapes().items():
+                profile.set_shape(name, lo, opt, hi)
+            config.add_optimization_profile(profile)
+        cache = cache or _timing_cache(config, cache_path, log)  # one cache shared by every build
+        config.set_timing_cache(cache, False)
+        log(f"  {role}: building ({len(profiles)} profiles: {', '.join(f'{p.name} T={p.t_min}..{p.t_max}' for p in profiles)})")
+        plan = builder.build_serialized_network(network, config)
+        if plan is None:
+            raise ExportError(f"{onnx_path}: TensorRT could not build an engine (see its log above)")
+        plan_path = bundle.file(plan_file(role))
+        _write_atomic(plan_path, memoryview(plan))
+        entry["trt"] = {
+            "plan": plan_path.name,
+            "tensorrt_version": trt.__version__,
+            "gpu_name": gpu_name,
+            "compute_capability": cc,
+            "strongly_typed": True,
+            "workspace_bytes": workspace,
+            "profiles": [p.as_dict() for p in profiles],
+            "onnx_sha256": manifest["files"][entry["graph"]],
+            "timing_cache": str(cache_path),
+            "build_seconds": round(time.perf_counter() - t0, 1),
+        }
+        manifest["files"][plan_path.name] = sha256_file(plan_path)
+        log(f"  {role}: {plan_path.name} written in {entry['trt']['build_seconds']:.0f}s")
+    if cache is not None:
+        _write_atomic(cache_path, memoryview(cache.serialize()))
+    manifest["files"] = dict(sorted(manifest["files"].items()))
+    _write_atomic(bundle_dir / MANIFEST, (json.dumps(manifest, indent=2) + "\n").encode())
+    return manifest
+
+
+def _write_atomic(path: Path, data) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+    os.replace(tmp, path)
+
+
+__all__ = ["MIN_TENSORRT", "build_engines", "build_profiles", "default_timing_cache", "plan_file", "profile_shapes"]

@@ -1,0 +1,244 @@
+"""PyTorch backend: the export stage's own module over KV buffers allocated once.
+
+Eager on a CPU (so CI runs every line of its bookkeeping); on a CUDA device each distinct
+pass shape is captured once with `torch.cuda.graph` and replayed. Importing this module
+imports torch: the factory in `backends/__init__.py` imports it only when `torch` is chosen.
+
+The fixed-shape formulation. The graph contract's mask is `[1, 1, T, L]` with L = start+T,
+so its shape changes on every step, and a captured graph has fixed shapes. A pass whose T
+may be captured therefore attends over a window of Lb slots, Lb the smallest power of two
+>= start+T (at least `min_window`, at most max_seq), with the mask built on the device
+from the write position: column j of row i is 0 where j <= start+i (and, with a sliding
+window W, j > start+i-W), else -inf. Columns start+T..Lb-1 are -inf. That is exact:
+  - their scores are q.k + (-inf) = -inf for any finite k (slots hold zeros from the
+    allocation or K/V the model wrote, never anything else), so the row's max is
+    unchanged and each contributes exp(-inf) = 0 to the softmax sum;
+  - their probability is exactly 0, and 0 * v = 0 for finite v in probs @ V.
+So every row sums the same non-zero terms as the exact-L pass; only the order in which a
+kernel adds them may differ, i.e. the same rounding class as any change of kernel.
+Buckets keep the attention's cost following the context (at most 2x the exact window),
+and the number of graphs small: one per (T, Lb), T <= max draft + 1; prefill chunks run
+eager with the exact window. `tests/test_torch_backend.py` checks bucketed against exact
+on the CPU, `benchmarks/gpu_check.py` checks replay against eager on a GPU.
+
+Host synchronisation: inputs go up as one small copy from pinned memory (the token ids and
+the write position; positions and mask are computed on the device), the logits come back
+into pinned memory and the stream is synchronised once: the only sync of a pass.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from ..bundle import ModelSpec
+from ..errors import BundleError
+from . import check_pass
+
+
+@dataclass
+class TorchEngineStats:
+    device: str = "cpu"
+    capture: bool = False  # whether passes of T <= capture_max_t are captured
+    passes: int = 0
+    replays: int = 0  # passes served by a captured graph
+    eager: int = 0
+    host_syncs: int = 0  # one per pass: the logits copy
+    graphs: list[tuple[int, int]] = field(default_factory=list)  # (T, Lb) of each captured graph
+    capture_seconds: float = 0.0
+    capture_error: str | None = None  # set when a capture failed; the engine then stays eager
+    device_seconds: float = 0.0  # CUDA-event time of the passes, when `time_device` is on
+
+    def as_dict(self) -> dict:
+        d = dict(self.__dict__)
+        d["graphs"] = [list(k) for k in self.graphs]
+        return d
+
+
+def window_bucket(length: int, max_seq: int, min_window: int = 64) -> int:
+    """The attention window a captured pass uses for `length` = start + T live slots.
+
+    >>> [window_bucket(n, 1000) for n in (1, 64, 65, 300, 513, 1000)]
+    [64, 64, 128, 512, 1000, 1000]
+    """
+    bucket = max(min_window, 1 << (length - 1).bit_length())
+    return min(bucket, max_seq)
+
+
+class TorchEngine:
+    """One graph of a bundle as the export stage's `SpecGraph`, on a CPU or a CUDA device.
+
+    graph: a SpecGraph (its weights on `device`); spec: the bundle's numbers for it.
+    capture: capture passes with CUDA graphs (default: on a CUDA device).
+    buckets: use the fixed-window formulation for T <= capture_max_t (default: as
+    `capture`; on the CPU it can be turned on to check it against the exact window).
+    """
+
+    def __init__(
+        self,
+        graph,
+        spec: ModelSpec,
+        max_seq: int,
+        device: str | torch.device | None = None,
+        capture: bool | None = None,
+        buckets: bool | None = None,
+        capture_max_t: int = 9,
+        min_window: int = 64,
+        warmup: int = 2,
+    ):
+        self.spec = spec
+        self.name = f"{spec.role} (torch)"
+        self.max_seq = max_seq
+        self.vocab_size = spec.vocab_size
+        self.device = torch.device(device) if device is not None else next(graph.parameters()).device
+        cuda = self.device.type == "cuda"
+        self.capture = cuda if capture is None else (capture and cuda)
+        self.buckets = self.capture if buckets is None else buckets
+        self.capture_max_t = capture_max_t
+        self.min_window = min_window
+        self.warmup = warmup
+        self.time_device = False  # bench turns this on: CUDA events around each pass
+        self.graph = graph.to(self.device).eval()
+        self.graph.inplace = True  # write the buffers below where they lie
+        self.stats = TorchEngineStats(device=str(self.device), capture=self.capture)
+        kv_dtype = getattr(torch, spec.kv_dtype)
+        shape = (1, spec.num_kv_heads, max_seq, spec.head_dim)
+        # Allocated once, never moved: rollback is the caller moving its length back.
+        self.kv = [torch.zeros(shape, dtype=kv_dtype, device=self.device) for _ in spec.kv_names]
+        self._arange = torch.arange(max_seq, device=self.device)
+        # [write position, token ids...]: the only data a pass sends up.
+        self._io = torch.zeros(max_seq + 1, dtype=torch.int64, device=self.device)
+        self._stage = torch.zeros(max_seq + 1, dtype=torch.int64, pin_memory=cuda) if cuda else self._io
+        self._stage_np = self._stage.numpy()
+        self._host_logits: dict[int, torch.Tensor] = {}  # pinned [T, V] per distinct T
+        self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._pool = torch.cuda.graph_pool_handle() if self.capture else None
+        self._events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) if cuda else None
+
+    @classmethod
+    def from_bundle(cls, bundle, spec: ModelSpec, device=None, threads: int | None = None, **options) -> "TorchEngine":
+        """Rebuild the module the export stage exported, from the source model the manifest
+        names (the bundle's ONNX file is not read). Needs the `export` extra."""
+        from specdeploy.export.build import _graph
+        from specdeploy.export.load import load_source
+        from specdeploy.runtime.errors import ExportError
+
+        if threads:
+            torch.set_num_threads(threads)  # process-wide: torch has no per-module setting
+        entry = bundle.manifest["models"][spec.role]
+        try:
+            source = load_source(entry["source"])
+        except ExportError as e:
+            raise BundleError(f"the torch backend rebuilds the {spec.role} from its source model: {e}") from None
+        graph = _graph(source, entry["dtype"], entry["num_layers"])
+        count = sum(p.numel() for p in graph.parameters())
+        if count != entry["parameters"]:
+            raise BundleError(
+                f"{entry['source']}: has {count} parameters for the {spec.role}, the bundle's manifest says "
+                f"{entry['parameters']}; the source changed after export"
+            )
+        if device is None:
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        return cls(graph, spec, bundle.max_seq, device=device, **options)
+
+    # -- the protocol ---------------------------------------------------------------------
+    def kv_addresses(self) -> list[int]:
+        return [t.data_ptr() for t in self.kv]
+
+    @property
+    def kv_arrays(self) -> list[np.ndarray]:
+        """Host views of the KV buffers (CPU only): writing them writes the buffers."""
+        if self.device.type != "cpu":
+            raise AttributeError("kv_arrays: the KV buffers live on the device; use .kv")
+        return [t.numpy() for t in self.kv]
+
+    def forward(self, token_ids: np.ndarray, start: int) -> np.ndarray:
+        """token_ids [T] at positions start..start+T-1 -> logits [T, V] float32.
+
+        The returned array is this engine's buffer for T: valid until the next pass of
+        the same T (on a CPU, a fresh array).
+        """
+        token_ids = np.asarray(token_ids, dtype=np.int64)
+        check_pass(self.name, token_ids, start, self.max_seq, self.vocab_size)
+        t = token_ids.shape[0]
+        self._stage_np[0] = start
+        self._stage_np[1 : 1 + t] = token_ids
+        fixed = self.buckets and t <= self.capture_max_t
+        window = window_bucket(start + t, self.max_seq, self.min_window) if fixed else start + t
+        self.stats.passes += 1
+        with torch.no_grad():
+            if self.device.type == "cpu":
+                self.stats.eager += 1
+                self.stats.host_syncs += 1
+                return self._pass(t, window)[0].numpy()
+            self._io[: t + 1].copy_(self._stage[: t + 1], non_blocking=True)
+            timing = self.time_device and self._events is not None
+            if timing:
+                self._events[0].record()
+            logits = self._run(t, window)  # [1, T, V] on the device
+            if timing:
+                self._events[1].record()
+            host = self._host_logits.get(t)
+            if host is None:
+                host = self._host_logits[t] = torch.empty((t, self.vocab_size), dtype=torch.float32, pin_memory=True)
+            host.copy_(logits[0], non_blocking=True)
+            torch.cuda.current_stream(self.device).synchronize()  # the one host sync of the pass
+            self.stats.host_syncs += 1
+            if timing:
+                self.stats.device_seconds += self._events[0].elapsed_time(self._events[1]) / 1000
+            return host.numpy()
+
+    # -- the pass ---------------------------------------------------------------------------
+    def _pass(self, t: int, window: int) -> torch.Tensor:
+        """The module over the buffers: reads `_io` (write position, ids), returns logits
+        [1, T, V]. No host synchronisation: capturable as it stands."""
+        start = self._io[:1]
+        positions = start + self._arange[:t]  # [T]
+        cols = self._arange[:window][None]  # [1, Lb]
+        rows = positions[:, None]  # [T, 1]
+        visible = cols <= rows
+        if self.spec.sliding_window is not None:
+            visible &= cols > rows - self.spec.sliding_window
+        mask = torch.where(visible, 0.0, float("-inf"))  # [T, Lb] float32
+        return self.graph(self._io[1 : 1 + t][None], positions[None], start, mask[None, None], self.kv)[0]
+
+    def _run(self, t: int, window: int) -> torch.Tensor:
+        key = (t, window)
+        captured = self._graphs.get(key)
+        if captured is None and self.capture and t <= self.capture_max_t:
+            captured = self._capture(key)
+        if captured is None:
+            self.stats.eager += 1
+            return self._pass(t, window)
+        graph, logits = captured
+        graph.replay()
+        self.stats.replays += 1
+        return logits
+
+    def _capture(self, key: tuple[int, int]):
+        """Warm up on a side stream, then capture. The warm-up runs on the pass's own inputs,
+        so the K/V it writes are the ones the replay writes again. Every graph of this engine
+        shares one memory pool: passes never overlap and each output is copied out before
+        the next replay."""
+        t0 = time.perf_counter()
+        try:
+            side = torch.cuda.Stream(self.device)
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(side):
+                for _ in range(self.warmup):
+                    self._pass(*key)
+            torch.cuda.current_stream(self.device).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._pool):
+                logits = self._pass(*key)
+        except RuntimeError as e:  # fall back to eager for good, and say why
+            self.capture = False
+            self.stats.capture = False
+            self.stats.capture_error = f"T={key[0]}, window {key[1]}: {str(e).splitlines()[0] if str(e) else type(e).__name__}"
+            return None
+        self._graphs[key] = (graph, logits)
+        self.stats.graphs.append(key)
+        self.stats.capture_seconds += time.perf_counter() - t0
+        return self._graphs[key]

@@ -1,0 +1,308 @@
+"""The TensorRT backend's bookkeeping, with no TensorRT and no GPU: testable anywhere.
+
+- `plan_layout`: one device pool, every tensor at a 256-byte aligned offset.
+- `Profile`, `profiles_for`, `select_profile`: the optimization profiles over T that the
+  build creates and the runtime picks from (a draft step, a verify pass, a prefill chunk).
+- `padded_length`, `fill_mask`: the attention window L rounded up to a bucket, so a
+  captured CUDA graph (whose shapes are fixed) serves many write positions.
+- `StepGraphs`: one CUDA graph per distinct pass shape, captured after a warm-up run and
+  replayed, falling back to plain enqueue when capture fails; driven through `Driver`,
+  a handful of stream operations, so a fake stream can test it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import NamedTuple, Protocol
+
+import numpy as np
+
+# TensorRT: "The pointer must have at least 256-byte alignment" (IExecutionContext::
+# setTensorAddress, NvInferRuntime.h). cudaMalloc returns addresses aligned to at least 256
+# bytes (CUDA C++ Programming Guide, device memory accesses), so offsets that are multiples
+# of 256 inside one cudaMalloc'd pool keep every view aligned.
+ALIGNMENT = 256
+
+
+def align_up(n: int, alignment: int = ALIGNMENT) -> int:
+    """Round n up to a multiple of `alignment`.
+
+    >>> align_up(1), align_up(256), align_up(257)
+    (256, 256, 512)
+    """
+    return -(-n // alignment) * alignment
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Named byte ranges inside one pool: name -> (offset, nbytes), offsets aligned."""
+
+    slots: dict[str, tuple[int, int]]
+    total: int
+    alignment: int = ALIGNMENT
+
+    def offset(self, name: str) -> int:
+        return self.slots[name][0]
+
+    def nbytes(self, name: str) -> int:
+        return self.slots[name][1]
+
+    def end(self, name: str) -> int:
+        offset, nbytes = self.slots[name]
+        return offset + nbytes
+
+
+def plan_layout(items: list[tuple[str, int]], alignment: int = ALIGNMENT) -> Layout:
+    """Place the named byte sizes one after another, each at an aligned offset.
+
+    >>> plan_layout([("a", 10), ("b", 300), ("c", 1)]).slots
+    {'a': (0, 10), 'b': (256, 300), 'c': (768, 1)}
+    """
+    slots, offset = {}, 0
+    for name, nbytes in items:
+        if name in slots:
+            raise ValueError(f"{name}: placed twice")
+        slots[name] = (offset, nbytes)
+        offset = align_up(offset + nbytes, alignment)
+    return Layout(slots, offset, alignment)
+
+
+# The small inputs first and the mask last: one host->device copy of [0, mask offset + T*L)
+# carries every input of a pass, whatever T and L.
+STAGED_INPUTS = ("input_ids", "position_ids", "write_indices", "attention_mask")
+
+
+def engine_layout(
+    t_max: int, max_seq: int, vocab_size: int, kv_names: list[str], kv_nbytes: int,
+    itemsize: dict[str, int],
+) -> Layout:
+    """The pool of one engine: staged inputs, logits, then the KV buffers (one per layer and
+    kind, each bound as both the aliased input and output)."""
+    sizes = {
+        "input_ids": t_max * itemsize["input_ids"],
+        "position_ids": t_max * itemsize["position_ids"],
+        "write_indices": itemsize["write_indices"],
+        "attention_mask": t_max * max_seq * itemsize["attention_mask"],
+        "logits": t_max * vocab_size * itemsize["logits"],
+    }
+    return plan_layout([(n, sizes[n]) for n in STAGED_INPUTS] + [("logits", sizes["logits"])]
+                       + [(n, kv_nbytes) for n in kv_names])
+
+
+# -- optimization profiles over T -------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Profile:
+    """One optimization profile: token count T in [t_min, t_max], window L in [1, l_max]."""
+
+    name: str
+    t_min: int
+    t_opt: int
+    t_max: int
+    l_opt: int
+    l_max: int
+
+    def shapes(self) -> dict[str, tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]]:
+        """(min, opt, max) of every dynamic input, as IOptimizationProfile.set_shape takes them."""
+        ids = ((1, self.t_min), (1, self.t_opt), (1, self.t_max))
+        mask = ((1, 1, self.t_min, 1), (1, 1, self.t_opt, self.l_opt), (1, 1, self.t_max, self.l_max))
+        return {"input_ids": ids, "position_ids": ids, "attention_mask": mask}
+
+    def as_dict(self) -> dict:
+        return {"name": self.name, "T": [self.t_min, self.t_opt, self.t_max], "L": [1, self.l_opt, self.l_max]}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Profile":
+        (t_min, t_opt, t_max), (_, l_opt, l_max) = d["T"], d["L"]
+        return cls(d["name"], t_min, t_opt, t_max, l_opt, l_max)
+
+
+def profiles_for(max_seq: int, max_draft: int, prefill_chunk: int) -> list[Profile]:
+    """Profiles whose T ranges partition 1..max(k+1, chunk): a draft step (T = 1), a verify
+    pass (2..k+1) and, when the chunk is longer, a prefill chunk (k+2..chunk).
+
+    >>> [(p.name, p.t_min, p.t_max) for p in profiles_for(1024, 8, 64)]
+    [('step', 1, 1), ('verify', 2, 9), ('prefill', 10, 64)]
+    """
+    l_opt = max(1, max_seq // 2)
+    verify = max_draft + 1
+    profiles = [Profile("step", 1, 1, 1, l_opt, max_seq), Profile("verify", 2, verify, verify, l_opt, max_seq)]
+    if prefill_chunk > verify:
+        profiles.append(Profile("prefill", verify + 1, prefill_chunk, prefill_chunk, max(prefill_chunk, l_opt), max_seq))
+    return profiles
+
+
+def select_profile(profiles: list[Profile], t: int) -> int:
+    """Index of the profile whose T range holds t, or -1 when none does."""
+    for i, p in enumerate(profiles):
+        if p.t_min <= t <= p.t_max:
+            return i
+    return -1
+
+
+# -- the attention window ---------------------------------------------------------------------------
+
+
+def padded_length(start: int, t: int, bucket: int, max_seq: int) -> int:
+    """The window L = start + t rounded up to a multiple of `bucket` (at most max_seq).
+
+    A CUDA graph fixes its shapes; with L bucketed, one graph per (T, bucket) serves every
+    write position in the bucket. The extra slots are masked (-inf), and the buffers are
+    zero-filled at allocation, so they hold finite values and add exact zeros to softmax.
+
+    >>> padded_length(0, 1, 64, 1024), padded_length(63, 1, 64, 1024), padded_length(64, 1, 64, 1024)
+    (64, 64, 128)
+    >>> padded_length(1000, 9, 64, 1024)
+    1024
+    """
+    return min(max_seq, align_up(start + t, bucket))
+
+
+def fill_mask(out: np.ndarray, start: int, sliding_window: int | None = None) -> np.ndarray:
+    """Write the additive mask [T, L] for a pass at `start` into `out`, in place: row i sees
+    slots 0..start+i (within the sliding window); every other slot, padding included, is -inf.
+
+    >>> fill_mask(np.empty((2, 4), np.float32), 1)
+    array([[  0.,   0., -inf, -inf],
+           [  0.,   0.,   0., -inf]], dtype=float32)
+    """
+    out.fill(-np.inf)
+    for i in range(out.shape[0]):
+        last = start + i
+        first = 0 if sliding_window is None else max(0, last - sliding_window + 1)
+        out[i, first : last + 1] = 0
+    return out
+
+
+# -- CUDA graphs, one per pass shape -----------------------------------------------------------------
+
+
+class ShapeKey(NamedTuple):
+    profile: int
+    t: int
+    length: int
+
+
+class CaptureError(RuntimeError):
+    """A CUDA graph could not be captured. The pass itself already ran: only replay is lost."""
+
+
+class EnqueueError(RuntimeError):
+    """TensorRT refused to enqueue a pass (execute_async_v3 returned False)."""
+
+
+class Driver(Protocol):
+    """The stream operations `StepGraphs` needs; the TensorRT engine implements them over
+    cuda-python, tests over a fake stream."""
+
+    is_default_stream: bool
+
+    def run_eager(self, key: ShapeKey) -> None:
+        """Set the pass shapes on the profile's shared context and enqueue it."""
+
+    def new_executor(self, key: ShapeKey) -> object:
+        """An execution context of its own for `key`: profile, addresses and shapes set once."""
+
+    def run(self, executor: object) -> None:
+        """Enqueue one pass on `executor` (raises EnqueueError)."""
+
+    def begin_capture(self) -> None: ...
+
+    def end_capture(self) -> object:
+        """End the capture and instantiate the graph (raises CaptureError when invalidated)."""
+
+    def abort_capture(self) -> None:
+        """End a capture whose enqueue failed, leaving the stream usable."""
+
+    def launch(self, graph: object) -> None: ...
+
+    def release(self, executor: object, graph: object | None = None) -> None: ...
+
+
+@dataclass
+class StepGraphs:
+    """One CUDA graph per distinct pass shape (profile, T, L bucket), each with its own
+    execution context, captured the first time the shape runs and replayed after.
+
+    The first pass of a shape runs eagerly on its new context: that is the pass's result and
+    the warm-up TensorRT asks for ("call enqueueV3() once after an input shape change to update
+    internal state", TensorRT best practices, CUDA Graphs); the capture follows on the same
+    non-default stream. A context is never reshaped after its capture, so state TensorRT keeps
+    per context can never go stale under a graph. Capture failure (e.g. cudaErrorStreamCapture*
+    from an engine that cannot be captured) leaves that shape on plain enqueue, recorded in
+    `status`; the context stays usable without the graph.
+    """
+
+    enabled: bool = True
+    max_t: int | None = None  # longer passes (prefill chunks) run eagerly
+    max_graphs: int = 64
+    status: dict[ShapeKey, str] = field(default_factory=dict)  # "graph" or "eager: <why>"
+    counts: dict[str, int] = field(
+        default_factory=lambda: {"captured": 0, "replayed": 0, "eager": 0, "capture_failed": 0}
+    )
+    _graphs: dict[ShapeKey, tuple[object, object]] = field(default_factory=dict)
+
+    def run(self, key: ShapeKey, driver: Driver) -> str:
+        """Run one pass of shape `key`; returns "replay", "captured" or "eager"."""
+        held = self._graphs.get(key)
+        if held is not None:
+            driver.launch(held[1])
+            self.counts["replayed"] += 1
+            return "replay"
+        reason = self._eager_reason(key, driver)
+        if reason is not None:
+            self.status.setdefault(key, f"eager: {reason}")
+            driver.run_eager(key)
+            self.counts["eager"] += 1
+            return "eager"
+        executor = driver.new_executor(key)
+        driver.run(executor)  # this pass's result, and the warm-up before capture
+        try:
+            graph = self._capture(executor, driver)
+        except CaptureError as e:
+            driver.release(executor)
+            self.status[key] = f"eager: capture failed ({e})"
+            self.counts["capture_failed"] += 1
+            return "eager"
+        self._graphs[key] = (executor, graph)
+        self.status[key] = "graph"
+        self.counts["captured"] += 1
+        return "captured"
+
+    @staticmethod
+    def _capture(executor: object, driver: Driver) -> object:
+        driver.begin_capture()
+        try:
+            driver.run(executor)  # recorded, not executed
+        except EnqueueError as e:
+            driver.abort_capture()
+            raise CaptureError(f"enqueue under capture failed: {e}") from None
+        except BaseException:
+            driver.abort_capture()
+            raise
+        return driver.end_capture()
+
+    def _eager_reason(self, key: ShapeKey, driver: Driver) -> str | None:
+        if key in self.status:
+            return self.status[key].removeprefix("eager: ")
+        if not self.enabled:
+            return "CUDA graphs off"
+        if driver.is_default_stream:
+            return "the default stream cannot be captured"
+        if self.max_t is not None and key.t > self.max_t:
+            return f"T={key.t} is above the capture limit {self.max_t}"
+        if len(self._graphs) >= self.max_graphs:
+            return f"graph cache full ({self.max_graphs} graphs)"
+        return None
+
+    def close(self, driver: Driver) -> None:
+        for executor, graph in self._graphs.values():
+            driver.release(executor, graph)
+        self._graphs.clear()
+
+    def stats(self) -> dict:
+        return {
+            **self.counts,
+            "graphs": len(self._graphs),
+            "status": {f"{k.profile}/T={k.t}/L={k.length}": v for k, v in sorted(self.status.items())},
+        }
