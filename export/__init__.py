@@ -1,9 +1,23 @@
 """specdeploy export: source model -> graph -> ONNX -> bundle (heavy dependencies).
 
 Each step is a function of its own: `load_source`, `SpecGraph`, `export_onnx`,
-`check_parity`, `build_bundle`.
+`check_parity`, `build_bundle`. Names load lazily, so the static TensorRT check
+(`specdeploy.export.trt_ops`) runs without importing torch.
 """
-from .build import build_bundle, parse_draft
-from .load import Source, embedded_default, load_source
+from importlib import import_module
 
-__all__ = ["Source", "build_bundle", "embedded_default", "load_source", "parse_draft"]
+_NAMES = {
+    "build_bundle": ".build",
+    "parse_draft": ".build",
+    "Source": ".load",
+    "embedded_default": ".load",
+    "load_source": ".load",
+}
+
+__all__ = sorted(_NAMES)
+
+
+def __getattr__(name):
+    if name in _NAMES:
+        return getattr(import_module(_NAMES[name], __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -54,7 +54,9 @@ def default_timing_cache(bundle_dir: str | Path) -> Path:
 
 
 def version_tuple(version: str) -> tuple[int, ...]:
-    """>>> version_tuple("10.15.1.29")
+    """The numbers of a version string.
+
+    >>> version_tuple("10.15.1.29")
     (10, 15, 1, 29)
     """
     return tuple(int(x) for x in re.findall(r"\d+", version))
@@ -91,12 +93,19 @@ def _parse(trt, builder, logger, onnx_path: Path):
     return network, parser
 
 
-def _timing_cache(config, path: Path, log: Callable[[str], None]):
-    data = path.read_bytes() if path.is_file() else b""
-    cache = config.create_timing_cache(data)
-    if data and cache is None:
-        log(f"  timing cache {path} is unusable here (another TensorRT or GPU); starting a new one")
-        cache = config.create_timing_cache(b"")
+def _use_timing_cache(config, cache, path: Path, log: Callable[[str], None]):
+    """Set the timing cache on `config`: the one given, else the file at `path`, else a new one.
+
+    One cache object serves every build of the run ("it can be shared by multiple builder
+    instances", create_timing_cache) and is saved once at the end; a cache from another device
+    makes set_timing_cache(cache, ignore_mismatch=False) return False, and a fresh one is used."""
+    if cache is None:
+        data = path.read_bytes() if path.is_file() else b""
+        cache = config.create_timing_cache(data)
+        if data and (cache is None or not config.set_timing_cache(cache, False)):
+            log(f"  timing cache {path} does not fit this TensorRT or GPU; starting a new one")
+            cache = config.create_timing_cache(b"")
+    config.set_timing_cache(cache, False)
     return cache
 
 
@@ -112,8 +121,9 @@ def build_engines(
     beside the ONNX, record each under models[role]["trt"] with the TensorRT version, GPU name
     and compute capability, add the plans' sha256 to manifest["files"]; returns the manifest."""
     bundle_dir = Path(bundle_dir)
-    bundle = load_bundle(bundle_dir)
+    bundle = load_bundle(bundle_dir, verify=False)
     manifest = bundle.manifest
+    _verify_sources(bundle)
     problems = check_bundle(bundle_dir)
     if problems:
         raise ExportError(
@@ -141,25 +151,30 @@ def build_engines(
         config = builder.create_builder_config()
         workspace = int(workspace_gb * (1 << 30))
         config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, workspace)
+        tf32 = entry["dtype"] != "fp32"
+        if not tf32:
+            # An fp32 bundle asks for fp32 arithmetic; BuilderFlag.TF32 is "enabled by default" and
+            # would round matmul inputs to 10-bit mantissas (NvInfer.h, BuilderFlag::kTF32, 10.15 and 11.1).
+            config.clear_flag(trt.BuilderFlag.TF32)
         for p in profiles:
             profile = builder.create_optimization_profile()
             for name, (lo, opt, hi) in p.shapes().items():
                 profile.set_shape(name, lo, opt, hi)
             config.add_optimization_profile(profile)
-        cache = cache or _timing_cache(config, cache_path, log)  # one cache shared by every build
-        config.set_timing_cache(cache, False)
+        cache = _use_timing_cache(config, cache, cache_path, log)
         log(f"  {role}: building ({len(profiles)} profiles: {', '.join(f'{p.name} T={p.t_min}..{p.t_max}' for p in profiles)})")
         plan = builder.build_serialized_network(network, config)
         if plan is None:
             raise ExportError(f"{onnx_path}: TensorRT could not build an engine (see its log above)")
         plan_path = bundle.file(plan_file(role))
-        _write_atomic(plan_path, memoryview(plan))
+        _write_atomic(plan_path, plan)
         entry["trt"] = {
             "plan": plan_path.name,
             "tensorrt_version": trt.__version__,
             "gpu_name": gpu_name,
             "compute_capability": cc,
             "strongly_typed": True,
+            "tf32": tf32,  # whether fp32 tensors may use TF32 math
             "workspace_bytes": workspace,
             "profiles": [p.as_dict() for p in profiles],
             "onnx_sha256": manifest["files"][entry["graph"]],
@@ -169,16 +184,28 @@ def build_engines(
         manifest["files"][plan_path.name] = sha256_file(plan_path)
         log(f"  {role}: {plan_path.name} written in {entry['trt']['build_seconds']:.0f}s")
     if cache is not None:
-        _write_atomic(cache_path, memoryview(cache.serialize()))
+        _write_atomic(cache_path, cache.serialize())
     manifest["files"] = dict(sorted(manifest["files"].items()))
     _write_atomic(bundle_dir / MANIFEST, (json.dumps(manifest, indent=2) + "\n").encode())
     return manifest
 
 
+def _verify_sources(bundle) -> None:
+    """Check every file's sha256 but the engines', which are about to be rebuilt (a missing or
+    stale plan is a reason to build, not an error)."""
+    plans = {m["trt"]["plan"] for m in bundle.manifest["models"].values() if "trt" in m}
+    for name, expected in bundle.manifest["files"].items():
+        path = bundle.file(name)
+        if name in plans:
+            continue
+        if not path.is_file() or sha256_file(path) != expected:
+            raise ExportError(f"bundle file {path} is missing or altered since export; re-export the bundle")
+
+
 def _write_atomic(path: Path, data) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
     with open(tmp, "wb") as f:
-        f.write(data)
+        f.write(data)  # TensorRT's IHostMemory has the buffer protocol
     os.replace(tmp, path)
 
 

@@ -135,9 +135,10 @@ def _present(names, i: int) -> bool:
 # Each returns the reasons the node breaks its operator's documented restriction, [] when it does not.
 
 def _tensor_scatter(node, facts: _Facts) -> list[str]:
-    """Table: `past_cache` and `update` must be 4D, `axis` must be -2. KV-cache update layer: the
-    cache is a network input with a static sequence length, the output a network output that
-    shares the cache's memory, LINEAR mode only, int32/int64 write indices."""
+    """Table: `past_cache` and `update` must be 4D, `axis` must be -2. KV-cache update layer
+    (TensorRT docs, operator KVCacheUpdate; NvInfer.h addKVCacheUpdate): the cache is a network
+    input with a static sequence length, the output a network output sharing the cache's memory,
+    LINEAR mode only, cache and update of one data type, int32/int64 write indices."""
     reasons = []
     cache, update = node.input[0], node.input[1] if len(node.input) > 1 else ""
     for role, name in (("past_cache", cache), ("update", update)):
@@ -162,6 +163,9 @@ def _tensor_scatter(node, facts: _Facts) -> list[str]:
             f"output {node.output[0]} is not a graph output; the KV-cache update layer's output must be a "
             "network output aliasing the cache input"
         )
+    cache_type, update_type = facts.dtype.get(cache), facts.dtype.get(update)
+    if cache_type and update_type and cache_type != update_type:
+        reasons.append(f"`past_cache` is {cache_type} but `update` is {update_type}; they must have one data type")
     if _present(node.input, 2) and facts.dtype.get(node.input[2], "INT64") not in ("INT32", "INT64"):
         reasons.append(f"`write_indices` is {facts.dtype[node.input[2]]}; it must be INT32 or INT64")
     return reasons

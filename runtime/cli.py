@@ -68,14 +68,15 @@ def _parse_ids(text: str) -> list[int]:
 @click.option("--stop", multiple=True, help="Stop string (repeatable); the text ends before it.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object: text, token_ids, stats.")
 @click.option("--threads", type=int, help="ONNX Runtime intra-op threads (default: all cores).")
+@click.option("--backend", type=click.Choice(["ort", "torch", "trt"]), default="ort", show_default=True)
 def generate(bundle, prompt, prompt_ids, chat, max_new_tokens, draft_len, no_speculate, temperature, top_k, top_p,
-             seed, stop, as_json, threads):
+             seed, stop, as_json, threads, backend):
     """Generate from BUNDLE, streaming the text."""
     from .session import Session
 
     if (prompt is None) == (prompt_ids is None):
         raise InputError("give exactly one of --prompt or --prompt-ids")
-    session = Session(bundle, threads=threads)
+    session = Session(bundle, threads=threads, backend=backend)
     kwargs = dict(max_new_tokens=max_new_tokens, draft_len=draft_len, speculate=not no_speculate, chat=chat,
                   temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, stop=stop)
     if prompt_ids is not None:
@@ -106,6 +107,32 @@ def inspect(bundle, no_verify):
     from .report import describe
 
     click.echo(describe(load_bundle(bundle, verify=not no_verify)))
+
+
+@main.command("check-trt")
+@click.argument("bundle", type=click.Path(path_type=Path))
+def check_trt(bundle):
+    """List every node of BUNDLE's graphs that TensorRT's ONNX parser would refuse."""
+    from specdeploy.export.trt_ops import check_bundle, load_table
+
+    problems, table = check_bundle(bundle), load_table()
+    for p in problems:
+        click.echo(str(p))
+    if problems:
+        raise InputError(f"{len(problems)} node(s) in {bundle} are not supported by {table.label}")
+    click.echo(f"{bundle}: every node passes {table.label} (table: {table.source['url']})")
+
+
+@main.command("build")
+@click.argument("bundle", type=click.Path(path_type=Path))
+@click.option("--workspace-gb", default=4.0, show_default=True, help="TensorRT builder workspace limit.")
+@click.option("--timing-cache", type=click.Path(path_type=Path), help="Default: beside the bundle.")
+@click.option("--role", "roles", multiple=True, help="target / draft (default: every model).")
+def build(bundle, workspace_gb, timing_cache, roles):
+    """Build TensorRT engines (.plan) for BUNDLE's models (needs TensorRT and a GPU)."""
+    from specdeploy.export.trt_build import build_engines
+
+    build_engines(bundle, workspace_gb, list(roles) or None, timing_cache, log=lambda m: click.echo(m, err=True))
 
 
 @main.command()

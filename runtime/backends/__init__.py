@@ -20,7 +20,7 @@ class Engine(Protocol):
         ...
 
 
-BACKENDS = ("ort", "torch")
+BACKENDS = ("ort", "torch", "trt")
 
 
 def make_engine(backend: str, bundle, spec, threads: int | None = None) -> Engine:
@@ -38,6 +38,10 @@ def make_engine(backend: str, bundle, spec, threads: int | None = None) -> Engin
         except ImportError as e:
             raise InputError(f"backend 'torch' needs PyTorch ({e}): pip install 'specdeploy[export]'") from None
         return TorchEngine.from_bundle(bundle, spec, threads=threads)
+    if backend == "trt":  # importing the module does not import tensorrt; building an engine does
+        from .trt import TrtEngine
+
+        return TrtEngine.from_bundle(bundle, spec)
     raise InputError(f"backend {backend!r} is not available (choose from {', '.join(BACKENDS)})")
 
 

@@ -141,6 +141,7 @@ class TorchEngine:
             )
         if device is None:
             device = "cuda" if torch.cuda.is_available() else "cpu"
+        options.setdefault("capture_max_t", bundle.max_draft + 1)  # a verify pass's largest T
         return cls(graph, spec, bundle.max_seq, device=device, **options)
 
     # -- the protocol ---------------------------------------------------------------------

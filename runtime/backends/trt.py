@@ -32,7 +32,7 @@ from .trt_layout import (
     padded_length, select_profile,
 )
 
-DEFAULT_LENGTH_BUCKET = 64
+DEFAULT_LENGTH_BUCKET = 64  # the smallest attention window a pass runs with (see padded_length)
 _INSTALL = "pip install 'specdeploy[trt]' (TensorRT >= 10.15 and cuda-python, on a machine with an NVIDIA GPU)"
 
 
@@ -68,7 +68,8 @@ class Cuda:
         result = getattr(self.rt, name)(*args)
         err, rest = result[0], result[1:]
         if err != self.rt.cudaError_t.cudaSuccess:
-            raise CudaError(f"{name}: {self.rt.cudaGetErrorName(err)[1]}")
+            what = self.rt.cudaGetErrorName(err)[1]
+            raise CudaError(f"{name}: {what.decode() if isinstance(what, bytes) else what}")
         return rest[0] if len(rest) == 1 else rest
 
     def device(self) -> tuple[str, str]:
@@ -122,8 +123,10 @@ def _load_engine(trt, plan_path: Path, spec: ModelSpec, entry: dict, max_seq: in
             f"{plan_path}: engine I/O {sorted(names)} does not match the manifest's graph contract; rebuild the engine"
         )
     for past, present in spec.kv_names:
-        # The KV-cache update layer writes in place: TensorRT reports the input each such output
-        # aliases, and requires both bound to the same address (TensorRT KV cache guide).
+        # The KV-cache update layer writes in place. ICudaEngine::getAliasedInputTensor names the
+        # input an output "should alias with" (NvInferRuntime.h, TensorRT 10.15), and both must be
+        # bound to one address: "If different addresses are assigned, TensorRT reports an API
+        # error" (TensorRT developer guide, KV Cache).
         aliased = engine.get_aliased_input_tensor(present)
         if aliased != past:
             raise BundleError(
@@ -151,7 +154,8 @@ class TrtEngine:
 
     def __init__(
         self, plan_path: Path, spec: ModelSpec, max_seq: int, entry: dict, *,
-        length_bucket: int = DEFAULT_LENGTH_BUCKET, cuda_graphs: bool = True, modules=None, _loaded: _Loaded | None = None,
+        length_bucket: int = DEFAULT_LENGTH_BUCKET, cuda_graphs: bool = True, max_graphs: int = 64, modules=None,
+        _loaded: _Loaded | None = None,
     ):
         self.spec = spec
         self.plan_path = Path(plan_path)
@@ -175,7 +179,9 @@ class TrtEngine:
         itemsize = {n: dtypes[n].itemsize for n in (*STAGED_INPUTS, "logits")}
         self.layout = layout = engine_layout(self.t_max, max_seq, spec.vocab_size, kv_in, kv_nbytes, itemsize)
 
-        # A non-blocking stream of our own: CUDA graphs cannot be captured on the default stream.
+        # A non-blocking stream of our own: CUDA graphs cannot be captured on the default stream, and
+        # TensorRT adds cudaDeviceSynchronize() calls on it ("please use non-default stream instead",
+        # IExecutionContext.execute_async_v3, TensorRT 10.15 Python docs).
         self._stream = cuda.call("cudaStreamCreateWithFlags", cudart.cudaStreamNonBlocking)
         self._stream_handle = int(self._stream)
         self._pool = int(cuda.call("cudaMalloc", layout.total))
@@ -194,7 +200,7 @@ class TrtEngine:
         self._driver = _Driver(self)
         self._contexts = [self._new_context(i) for i in range(len(self.profiles))]  # eager runs, per profile
         capture_max_t = max((p.t_max for p in self.profiles if p.name != "prefill"), default=1)
-        self.graphs = StepGraphs(enabled=cuda_graphs, max_t=capture_max_t)
+        self.graphs = StepGraphs(enabled=cuda_graphs, max_t=capture_max_t, max_graphs=max_graphs)
         self._chunked: dict[int, np.ndarray] = {}
         self.last_mode = ""
         cuda.call("cudaStreamSynchronize", self._stream)  # the memset, once, before any pass
@@ -218,7 +224,8 @@ class TrtEngine:
         contexts and graphs."""
         return TrtEngine(
             self.plan_path, self.spec, self.max_seq, self.entry, length_bucket=self.length_bucket,
-            cuda_graphs=self.graphs.enabled, modules=self._modules, _loaded=self._loaded,
+            cuda_graphs=self.graphs.enabled, max_graphs=self.graphs.max_graphs, modules=self._modules,
+            _loaded=self._loaded,
         )
 
     def kv_addresses(self) -> list[int]:
@@ -250,6 +257,8 @@ class TrtEngine:
         h["write_indices"][0] = start
         fill_mask(h["attention_mask"][: t * length].reshape(t, length), start, self.spec.sliding_window)
         staged = self.layout.offset("attention_mask") + t * length * h["attention_mask"].itemsize
+        # The staging buffer is rewritten only after the previous pass's synchronisation: memory bound
+        # to a pass must not change before the stream is synchronised (execute_async_v3 docs).
         cuda.call("cudaMemcpyAsync", self._pool, self._host, staged, self._kind("HostToDevice"), stream)
         self.last_mode = self.graphs.run(key, self._driver)
         nbytes = t * self.vocab_size * h["logits"].itemsize
@@ -276,6 +285,9 @@ class TrtEngine:
         return getattr(self._cuda.rt.cudaMemcpyKind, f"cudaMemcpy{direction}")
 
     def _new_context(self, profile: int):
+        # Several contexts may select one profile: since 10.x setOptimizationProfileAsync no longer
+        # asks for a profile unused by other contexts (NvInferRuntime.h, TensorRT 10.15 and 11.1);
+        # the profile switch is enqueued on our stream, the one every pass of the context uses.
         ctx = self._loaded.engine.create_execution_context()
         if ctx is None:
             raise CudaError(f"{self.name}: TensorRT could not create an execution context (out of device memory?)")

@@ -3,8 +3,8 @@
 - `plan_layout`: one device pool, every tensor at a 256-byte aligned offset.
 - `Profile`, `profiles_for`, `select_profile`: the optimization profiles over T that the
   build creates and the runtime picks from (a draft step, a verify pass, a prefill chunk).
-- `padded_length`, `fill_mask`: the attention window L rounded up to a bucket, so a
-  captured CUDA graph (whose shapes are fixed) serves many write positions.
+- `padded_length`, `fill_mask`: the attention window L rounded up to a power-of-two bucket,
+  so a captured CUDA graph (whose shapes are fixed) serves many write positions.
 - `StepGraphs`: one CUDA graph per distinct pass shape, captured after a warm-up run and
   replayed, falling back to plain enqueue when capture fails; driven through `Driver`,
   a handful of stream operations, so a fake stream can test it.
@@ -17,9 +17,9 @@ from typing import NamedTuple, Protocol
 import numpy as np
 
 # TensorRT: "The pointer must have at least 256-byte alignment" (IExecutionContext::
-# setTensorAddress, NvInferRuntime.h). cudaMalloc returns addresses aligned to at least 256
-# bytes (CUDA C++ Programming Guide, device memory accesses), so offsets that are multiples
-# of 256 inside one cudaMalloc'd pool keep every view aligned.
+# setTensorAddress, include/NvInferRuntime.h of TensorRT 10.15 and 11.1). cudaMalloc returns
+# addresses aligned to at least 256 bytes (CUDA C++ Programming Guide, device memory accesses),
+# so offsets that are multiples of 256 inside one cudaMalloc'd pool keep every view aligned.
 ALIGNMENT = 256
 
 
@@ -143,19 +143,19 @@ def select_profile(profiles: list[Profile], t: int) -> int:
 # -- the attention window ---------------------------------------------------------------------------
 
 
-def padded_length(start: int, t: int, bucket: int, max_seq: int) -> int:
-    """The window L = start + t rounded up to a multiple of `bucket` (at most max_seq).
+def padded_length(start: int, t: int, min_bucket: int, max_seq: int) -> int:
+    """The window L = start + t rounded up to a power of two, at least `min_bucket`, at most max_seq.
 
-    A CUDA graph fixes its shapes; with L bucketed, one graph per (T, bucket) serves every
-    write position in the bucket. The extra slots are masked (-inf), and the buffers are
-    zero-filled at allocation, so they hold finite values and add exact zeros to softmax.
+    A CUDA graph fixes its shapes; with L bucketed, one graph per (T, bucket) serves every write
+    position in the bucket, and a handful of buckets cover the whole buffer (5 for 64..1024).
+    Attention then reads at most twice the live slots. The extra slots are masked (-inf), and the
+    buffers are zero-filled at allocation, so they hold finite values and add exact zeros.
 
-    >>> padded_length(0, 1, 64, 1024), padded_length(63, 1, 64, 1024), padded_length(64, 1, 64, 1024)
-    (64, 64, 128)
-    >>> padded_length(1000, 9, 64, 1024)
-    1024
+    >>> [padded_length(s, 1, 64, 1024) for s in (0, 63, 64, 300, 1020)]
+    [64, 64, 128, 512, 1024]
     """
-    return min(max_seq, align_up(start + t, bucket))
+    length = start + t
+    return min(max_seq, max(min_bucket, 1 << (length - 1).bit_length()))
 
 
 def fill_mask(out: np.ndarray, start: int, sliding_window: int | None = None) -> np.ndarray:
@@ -222,7 +222,9 @@ class Driver(Protocol):
 @dataclass
 class StepGraphs:
     """One CUDA graph per distinct pass shape (profile, T, L bucket), each with its own
-    execution context, captured the first time the shape runs and replayed after.
+    execution context, captured the first time the shape runs and replayed after. With T up to
+    k+1 and power-of-two windows the shapes number at most (k+1) * log2(max_seq / min bucket + 1):
+    45 for k = 8 over 64..1024; `max_graphs` bounds the contexts (and their TensorRT memory).
 
     The first pass of a shape runs eagerly on its new context: that is the pass's result and
     the warm-up TensorRT asks for ("call enqueueV3() once after an input shape change to update
@@ -256,7 +258,11 @@ class StepGraphs:
             self.counts["eager"] += 1
             return "eager"
         executor = driver.new_executor(key)
-        driver.run(executor)  # this pass's result, and the warm-up before capture
+        try:
+            driver.run(executor)  # this pass's result, and the warm-up before capture
+        except BaseException:
+            driver.release(executor)
+            raise
         try:
             graph = self._capture(executor, driver)
         except CaptureError as e:
