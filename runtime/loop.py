@@ -49,8 +49,8 @@ class Stats:
     def tokens_per_second(self) -> float:
         return self.new_tokens / self.seconds if self.seconds else 0.0
 
-    def record_round(self, chosen: int, proposed: int, accepted: int) -> None:
-        if chosen:
+    def record_round(self, chosen: int | None, proposed: int, accepted: int) -> None:
+        if chosen is not None:
             self.draft_len_history.append(chosen)
         self.last_proposed, self.last_accepted = proposed, accepted
         grow = proposed - len(self.proposed_at)
@@ -115,7 +115,7 @@ def speculative_round(
         n_accepted, next_token = verify_greedy(draft_tokens, target_logits)
     else:
         n_accepted, next_token = verify_sampled(draft_tokens, draft_probs, warp(target_logits, params), rng)
-    stats.record_round(k, draft_tokens.shape[0], n_accepted)
+    stats.record_round(k if drafter is not None else None, draft_tokens.shape[0], n_accepted)
     return np.append(draft_tokens[:n_accepted], next_token)
 
 
@@ -181,7 +181,8 @@ def decode(
 class DraftLength:
     """Chooses k each round: pinned, or `auto` within the bundle's maximum.
 
-    auto picks the k that maximises expected tokens per unit of time under the analytic
+    auto picks the k (0 included: a plain step, when no draft length pays; it then probes
+    with k = 1 every few rounds) that maximises expected tokens per unit of time under the analytic
     model (DESIGN.md section 4) with the acceptance rate a and the cost ratio c measured so
     far in this generation: tokens(k) = (1 - a^(k+1)) / (1 - a), time(k) = k*c + v(k), where
     v(k) is the verify pass's cost at T = k+1 relative to T = 1 (it grows a little with T).
@@ -189,16 +190,26 @@ class DraftLength:
     `min_confidence`). Greedy output never depends on k: it only changes the speed.
     """
 
-    def __init__(self, max_k: int, fixed: int | None = None, min_confidence: float = 0.3, decay: float = 0.8):
+    def __init__(
+        self, max_k: int, fixed: int | None = None, min_confidence: float = 0.3, decay: float = 0.8,
+        cost_ratio: float = 0.1, measure: bool = True,
+    ):
         self.max_k = max_k
+        # Under sampling the chosen k decides how many random draws a round uses, so a
+        # seeded run replays only if k never depends on wall-clock timings: then the cost
+        # ratio stays at its static estimate (`measure=False`). Greedy output does not
+        # depend on k, so there the measured costs steer it.
+        self.measure = measure
         self.fixed = fixed
         self.min_confidence = 0.0 if fixed is not None else min_confidence
         self.decay = decay
         self.accepted = 2.0  # pseudo-counts: start at a = 2/3, optimistic enough to try drafting
         self.rejected = 1.0
-        self.cost_ratio = 0.1  # draft step / verify pass; measured from the first round on
+        self.cost_ratio = cost_ratio  # draft step / verify pass: a static estimate, then measured
         self.verify_slope = 0.05  # extra verify cost per extra token, relative to T = 1
         self._verify_t1: float | None = None
+        self.probe_every = 8
+        self._rounds = 0
 
     @property
     def acceptance(self) -> float:
@@ -208,19 +219,22 @@ class DraftLength:
         if self.fixed is not None:
             return self.fixed
         drafter.min_confidence = self.min_confidence
+        self._rounds += 1
         a = min(self.acceptance, 0.999)
-        best_k, best = 1, -1.0
+        best_k, best = 0, 1.0  # k = 0: a plain step, one verify pass at T = 1 per token
         for k in range(1, self.max_k + 1):
             rate = (1 - a ** (k + 1)) / (1 - a) / (k * self.cost_ratio + 1 + self.verify_slope * k)
             if rate > best:
                 best_k, best = k, rate
+        if best_k == 0 and self._rounds % self.probe_every == 0:
+            return 1  # drafting does not pay so far: probe now and then in case the text changed
         return best_k
 
     def update(self, proposed: int, accepted: int, draft_seconds: float, verify_seconds: float) -> None:
         d = self.decay
         self.accepted = d * self.accepted + accepted
         self.rejected = d * self.rejected + (1 if accepted < proposed else 0)
-        if proposed == 0 or verify_seconds <= 0:
+        if proposed == 0 or verify_seconds <= 0 or not self.measure:
             return
         if proposed == 1 and self._verify_t1 is None:
             self._verify_t1 = verify_seconds

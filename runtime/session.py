@@ -115,6 +115,14 @@ class Session:
         twin._busy = threading.Lock()
         return twin
 
+    def static_cost_ratio(self) -> float:
+        """Draft step / verify pass before anything is measured: at batch 1 a pass costs
+        about what it reads, so the ratio of parameters; a model-free drafter costs ~0."""
+        draft = self.bundle.manifest["models"].get("draft")
+        if draft is None:
+            return 0.0
+        return draft["parameters"] / self.bundle.manifest["models"]["target"]["parameters"]
+
     # -- prompt handling -------------------------------------------------------------
     def encode(self, prompt: str, chat: bool = False) -> list[int]:
         return self.tokenizer.encode_chat(prompt) if chat else self.tokenizer.encode(prompt)
@@ -173,7 +181,7 @@ class Session:
         ids = np.asarray(self.encode(prompt, chat) if prompt is not None else prompt_ids, dtype=np.int64).reshape(-1)
         params = SamplingParams(temperature, top_k, top_p, seed)
         if draft_len in (None, "auto"):
-            lengths = DraftLength(self.bundle.max_draft)
+            lengths = DraftLength(self.bundle.max_draft, cost_ratio=self.static_cost_ratio(), measure=params.greedy)
             k = self.bundle.max_draft
         else:
             k = _as_int(draft_len, "draft length")

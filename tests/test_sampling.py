@@ -258,9 +258,37 @@ def test_auto_draft_length_never_changes_greedy_output(bundles):
             assert auto.token_ids == plain.token_ids, (name, prompt)
 
 
-def test_auto_draft_length_follows_acceptance(bundles):
-    always = Session(bundles("llama-same")).generate(PROMPTS[0], max_new_tokens=80, draft_len="auto")
-    assert max(always.stats.draft_len_history) == 8  # every draft accepted: k climbs to the maximum
-    rarely = Session(bundles("llama-self")).generate(PROMPTS[0], max_new_tokens=80, draft_len="auto")
-    assert rarely.stats.acceptance_rate < always.stats.acceptance_rate
-    assert np.mean(rarely.stats.draft_len_history) < np.mean(always.stats.draft_len_history)
+class _Drafter:
+    min_confidence = 0.0
+
+
+def _run_rounds(lengths, rounds, accept_all):
+    chosen = []
+    for _ in range(rounds):
+        k = lengths.choose(_Drafter())
+        chosen.append(k)
+        if k:
+            lengths.update(k, k if accept_all else 0, draft_seconds=0.0, verify_seconds=0.0)
+    return chosen
+
+
+def test_auto_draft_length_follows_acceptance_and_cost():
+    from specdeploy.runtime.loop import DraftLength
+
+    # a cheap draft that is always right: k climbs to the bundle's maximum
+    assert _run_rounds(DraftLength(8, cost_ratio=0.05, measure=False), 10, True)[-1] == 8
+    # a draft that is never right: k falls to 0 (plain steps), probing with k = 1 now and then
+    never = _run_rounds(DraftLength(8, cost_ratio=0.05, measure=False), 40, False)
+    assert never[-16:].count(0) >= 12 and 1 in never[-16:] and max(never[-16:]) == 1
+    # a draft as costly as the target pays nothing however right it is
+    assert max(_run_rounds(DraftLength(8, cost_ratio=1.0, measure=False), 20, True)[5:]) <= 1
+    # pinned k is never changed
+    assert set(_run_rounds(DraftLength(8, fixed=3), 10, False)) == {3}
+
+
+def test_auto_draft_length_is_reported(bundles):
+    session = Session(bundles("llama-ngram"))
+    result = session.generate(PROMPTS[16], max_new_tokens=60, draft_len="auto")
+    history = result.stats.draft_len_history
+    assert len(history) == result.stats.target_passes
+    assert result.stats.as_dict()["draft_len_histogram"] == {str(k): history.count(k) for k in sorted(set(history))}
