@@ -230,9 +230,10 @@ def bench(
     for k in lens:
         row = _summarise(spec_runs[k])
         rounds = [rd for run in spec_runs[k] for rd in run.rounds]
-        drafting = [p for p, _ in rounds if p]
         a = acceptance_estimate(rounds)
-        g = statistics.mean(drafting) if drafting else 0.0
+        # Mean tokens drafted per round, rounds that drafted none included (auto may choose
+        # a plain step; an n-gram lookup may find nothing): the g the passes really carried.
+        g = statistics.mean(p for p, _ in rounds) if rounds else 0.0
         draft_step = row["draft_seconds"] / row["draft_passes"] if row["draft_passes"] else 0.0
         c = draft_step / plain_step if plain_step else 0.0
         verify_pass = row["verify_seconds"] / max(1, row["target_passes"])
@@ -359,8 +360,10 @@ def plot(report: dict, path: str | Path) -> None:
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
     left.bar(x, [c["tokens_per_second"] for c in configs], color="tab:blue", label="speculative")
     left.axhline(report["plain"]["tokens_per_second"], color="black", linestyle="--", label="plain decoding")
-    left.set(xticks=x, xticklabels=labels, xlabel="draft length", ylabel="tokens/s", title="Throughput")
-    left.legend(loc="lower right")
+    top = max([c["tokens_per_second"] for c in configs] + [report["plain"]["tokens_per_second"]])
+    left.set(xticks=x, xticklabels=labels, xlabel="draft length", ylabel="tokens/s", title="Throughput",
+             ylim=(0, 1.25 * top))
+    left.legend(loc="upper center", ncol=2, fontsize=8)
     right.plot(x, [c["measured_speedup"] for c in configs], "o-", label="measured")
     right.plot(x, [c["predicted_speedup"] for c in configs], "s--", label="predicted (a, c measured)")
     right.axhline(1.0, color="grey", linewidth=0.8)

@@ -109,6 +109,33 @@ def inspect(bundle, no_verify):
     click.echo(describe(load_bundle(bundle, verify=not no_verify)))
 
 
+@main.command()
+@click.argument("bundle", type=click.Path(path_type=Path))
+@click.option("--backend", type=click.Choice(["ort", "torch", "trt"]), default="ort", show_default=True)
+@click.option("--draft-len", default="1,2,4,8,auto", show_default=True, help="Comma-separated draft lengths.")
+@click.option("--prompts", type=click.Path(path_type=Path), help="One prompt per line (default: a built-in set).")
+@click.option("--max-new-tokens", default=64, show_default=True)
+@click.option("--repeats", default=3, show_default=True)
+@click.option("--no-chat", is_flag=True, help="Send prompts as plain text, not through the chat template.")
+@click.option("--threads", type=int)
+@click.option("--json", "json_out", type=click.Path(path_type=Path))
+@click.option("--plot", "plot_out", type=click.Path(path_type=Path))
+def bench(bundle, backend, draft_len, prompts, max_new_tokens, repeats, no_chat, threads, json_out, plot_out):
+    """Latency profile of BUNDLE: plain vs each draft length, measured and predicted speedup."""
+    from .bench import bench as run_bench, format_report, plot, write_json
+
+    if prompts is not None and not prompts.is_file():
+        raise InputError(f"--prompts {prompts}: no such file")
+    texts = [line for line in prompts.read_text().splitlines() if line.strip()] if prompts else None
+    report = run_bench(bundle, backend, draft_len, texts, max_new_tokens, repeats, chat=not no_chat,
+                       threads=threads, log=lambda m: click.echo(m, err=True))
+    click.echo(format_report(report))
+    if json_out:
+        write_json(report, json_out)
+    if plot_out:
+        plot(report, plot_out)
+
+
 @main.command("check-trt")
 @click.argument("bundle", type=click.Path(path_type=Path))
 def check_trt(bundle):

@@ -216,9 +216,9 @@ class DraftLength:
         return self.accepted / (self.accepted + self.rejected)
 
     def choose(self, drafter) -> int:
+        drafter.min_confidence = self.min_confidence  # 0 when k is pinned: never stop early
         if self.fixed is not None:
             return self.fixed
-        drafter.min_confidence = self.min_confidence
         self._rounds += 1
         a = min(self.acceptance, 0.999)
         best_k, best = 0, 1.0  # k = 0: a plain step, one verify pass at T = 1 per token

@@ -15,6 +15,17 @@ from specdeploy.runtime.errors import BundleError
 from tiny import PROMPTS
 
 NEW_TOKENS = 24
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny models: a second intra-op thread only contends (torch's setting is process-wide)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 # (start, T): a prefill chunk, single steps, verify passes, and passes that cross a window bucket
 SCHEDULE = [(0, 16), (16, 1), (17, 9), (26, 1), (27, 2), (29, 5), (34, 1), (35, 30), (65, 1), (66, 9), (75, 1)]
 
