@@ -24,7 +24,7 @@ def test_eval_cli_passes_on_a_lossless_bundle(bundles, tmp_path):
     prompts.write_text("\n".join(PROMPTS[:5]))
     out = tmp_path / "report.json"
     result = CliRunner().invoke(main, ["eval", str(bundles("llama-model")), "--prompts", str(prompts),
-                                       "--max-new-tokens", "24", "--samples", "200", "--json", str(out)])
+                                       "--max-new-tokens", "24", "--samples", "150", "--json", str(out)])
     assert result.exit_code == 0, result.output
     assert "contract holds" in result.stdout
     report = json.loads(out.read_text())
