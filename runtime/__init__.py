@@ -10,6 +10,7 @@ Imports numpy, onnxruntime and tokenizers only; never torch or transformers.
 from .bundle import Bundle, load_bundle
 from .errors import BundleError, ExportError, InputError, SpecdeployError
 from .loop import Stats
+from .pool import Overloaded, SessionPool
 from .session import Generation, Piece, Result, Session
 
 __all__ = [
@@ -18,9 +19,11 @@ __all__ = [
     "ExportError",
     "Generation",
     "InputError",
+    "Overloaded",
     "Piece",
     "Result",
     "Session",
+    "SessionPool",
     "SpecdeployError",
     "Stats",
     "load_bundle",
