@@ -133,7 +133,9 @@ def decode(
     """Yield the committed tokens of each round until EOS or max_new_tokens.
 
     The caller has checked that prompt + max_new_tokens fits the bundle's max sequence.
-    One host synchronisation per round: the verify pass's logits come back to decide.
+    Host synchronisation: each engine pass returns its logits to the host once, so a round
+    is one for the verify pass plus one per draft step (the drafter picks each token on the
+    host); one per round would need the draft steps run on the device as a whole.
     """
     t_start = time.perf_counter()
     rng = np.random.default_rng(params.seed)
