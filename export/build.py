@@ -5,6 +5,7 @@ when complete, so a failed export never leaves a half-written bundle or loses an
 """
 from __future__ import annotations
 
+import copy
 import json
 import re
 import shutil
@@ -21,7 +22,8 @@ from specdeploy.runtime.errors import ExportError
 
 from .graph import SpecGraph
 from .load import Source, eos_token_ids, load_source, same_tokenizer
-from .onnx_export import DTYPES, check_parity, export_onnx, io_names
+from .onnx_export import DTYPES, KV_DTYPES, PARITY_RTOL, check_parity, export_onnx, io_names
+from .quantize import SCHEMES, quantize_model
 
 VERSION = "0.1.0"
 
@@ -68,7 +70,7 @@ def model_entry(graph: SpecGraph, source: Source, graph_file: str, dtype: str, m
         "head_dim": graph.head_dim,
         "vocab_size": cfg.vocab_size,
         "dtype": dtype,
-        "kv_dtype": {"fp32": "float32", "fp16": "float16"}[dtype],
+        "kv_dtype": KV_DTYPES[dtype],
         "sliding_window": window if window and window < max_seq else None,
         "parameters": sum(p.numel() for p in graph.parameters()),
         "inputs": {
@@ -89,22 +91,38 @@ def _export_model(
 ) -> dict:
     graph_file = f"{role}.onnx"
     t0 = time.perf_counter()
+    if graph.quantization is not None:  # the CPU graphs: ONNX Runtime's fused RoPE too
+        graph.use_contrib_ops(max_seq)
     export_onnx(graph, work / graph_file, max_seq, DTYPES[dtype])
     entry = model_entry(graph, source, graph_file, dtype, max_seq)
-    log(f"  {role}: exported {graph.num_layers} layers in {time.perf_counter() - t0:.1f}s; checking parity")
+    if graph.quantization is not None:
+        entry["quantization"] = graph.quantization
+    log(f"  {role}: exported {graph.num_layers} layers ({dtype}) in {time.perf_counter() - t0:.1f}s; checking parity")
     spec = ModelSpec.from_manifest(role, entry)
+    # A quantized graph is compared with its own eager module (dequantized weights, int8
+    # activation blocks as MatMulNBits computes them), not with the float source: it is
+    # another model. GGUF blocks imported exactly were checked tensor by tensor on import.
     entry["parity"] = check_parity(
         graph, work / graph_file, spec, max_seq, max_draft, prefill_chunk, dtype,
-        hf_model=source.model if full_model else None,
+        hf_model=source.model if full_model and graph.quantization is None else None,
     )
     log(f"  {role}: parity ok (max relative logit difference {entry['parity']['max_rel_diff_ort_vs_eager']:.1e})")
     return entry
 
 
 def _graph(source: Source, dtype: str, num_layers: int | None = None) -> SpecGraph:
-    model = source.model.to(DTYPES[dtype])
+    """The graph of `source` at `dtype`; int8/int4 quantize a copy (the source stays float,
+    so a target and its draft may differ in dtype)."""
+    record = None
+    if dtype in SCHEMES:
+        model = copy.deepcopy(source.model)
+        gguf = source.path if source.path.suffix == ".gguf" else None
+        record = quantize_model(model, dtype, gguf, num_layers)
+    else:
+        model = source.model.to(DTYPES[dtype])
     graph = SpecGraph(model, num_layers).eval()
     graph.inv_freq = graph.inv_freq.float()  # RoPE angles stay in fp32 whatever the weights
+    graph.quantization = record
     return graph
 
 
@@ -132,12 +150,16 @@ def build_bundle(
     dtype: str = "fp32",
     prefill_chunk: int = 64,
     log: Callable[[str], None] = lambda _: None,
+    draft_dtype: str | None = None,
 ) -> dict:
-    """Export a target (and its draft) into the bundle folder `out`; returns the manifest."""
+    """Export a target (and its draft) into the bundle folder `out`; returns the manifest.
+    `dtype` is the target's, `draft_dtype` the draft model's (default: the target's)."""
     out = Path(out)
     spec = parse_draft(draft)
-    if dtype not in DTYPES:
-        raise ExportError(f"--dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
+    draft_dtype = dtype if draft_dtype is None else draft_dtype
+    for flag, value in (("--dtype", dtype), ("--draft-dtype", draft_dtype)):
+        if value not in DTYPES:
+            raise ExportError(f"{flag} {value!r}: expected one of {', '.join(DTYPES)}")
     if not 2 <= max_seq <= 1 << 17:
         raise ExportError(f"--max-seq {max_seq}: expected 2..131072")
     if not 1 <= max_draft <= 32 or max_draft >= max_seq:
@@ -168,14 +190,15 @@ def build_bundle(
     out.parent.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
-        common = dict(dtype=dtype, max_seq=max_seq, max_draft=max_draft, prefill_chunk=prefill_chunk, log=log)
-        models = {"target": _export_model(_graph(target_source, dtype), target_source, work, "target", full_model=True, **common)}
+        common = dict(max_seq=max_seq, max_draft=max_draft, prefill_chunk=prefill_chunk, log=log)
+        graph = _graph(target_source, dtype)
+        models = {"target": _export_model(graph, target_source, work, "target", dtype=dtype, full_model=True, **common)}
         if spec.kind == "self":
-            graph = _graph(target_source, dtype, spec.layers)
-            models["draft"] = _export_model(graph, target_source, work, "draft", full_model=False, **common)
+            graph = _graph(target_source, draft_dtype, spec.layers)
+            models["draft"] = _export_model(graph, target_source, work, "draft", dtype=draft_dtype, full_model=False, **common)
         elif spec.kind == "model":
-            graph = _graph(draft_source, dtype)
-            models["draft"] = _export_model(graph, draft_source, work, "draft", full_model=True, **common)
+            graph = _graph(draft_source, draft_dtype)
+            models["draft"] = _export_model(graph, draft_source, work, "draft", dtype=draft_dtype, full_model=True, **common)
         draft_entry = {"kind": spec.kind}
         if spec.kind == "self":
             draft_entry["layers"] = spec.layers

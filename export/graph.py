@@ -70,6 +70,22 @@ def rms_norm(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return norm.weight * (x32 / torch.sqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
+def _split(y: torch.Tensor, widths: list[int]) -> list[torch.Tensor]:
+    """Slices of the last dim (one Slice node each; a split exports as a sequence op)."""
+    out, at = [], 0
+    for w in widths:
+        out.append(y[..., at : at + w])
+        at += w
+    return out
+
+
+def _mlp(mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    if hasattr(mlp, "gate_up_proj"):  # fused by export/quantize.py
+        gate, up = _split(mlp.gate_up_proj(x), mlp.gate_up_proj.split)
+        return mlp.down_proj(mlp.act_fn(gate) * up)
+    return mlp(x)
+
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
@@ -100,6 +116,18 @@ class SpecGraph(nn.Module):
         self.rope_scale = float(getattr(rotary, "attention_scaling", 1.0))
         self.scaling = self.head_dim**-0.5
         self.inplace = inplace  # eager runs over caller-owned buffers write in place
+        self.contrib_ops = False  # see use_contrib_ops
+
+    def use_contrib_ops(self, positions: int) -> None:
+        """Spell RoPE as ONNX Runtime's RotaryEmbedding (one node for what is otherwise about
+        seven per tensor) over cos/sin caches of `positions` rows. For the CPU graphs only:
+        TensorRT's parser does not read contrib ops."""
+        from .contrib import rope_caches
+
+        cos, sin = rope_caches(self.inv_freq, self.rope_scale, positions)
+        self.register_buffer("cos_cache", cos, persistent=False)
+        self.register_buffer("sin_cache", sin, persistent=False)
+        self.contrib_ops = True
 
     @property
     def num_layers(self) -> int:
@@ -119,11 +147,21 @@ class SpecGraph(nn.Module):
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
             x = rms_norm(layer.input_layernorm, h)
-            q = attn.q_proj(x).view(b, t, self.num_heads, self.head_dim).transpose(1, 2)
-            k = attn.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
-            v = attn.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
-            q = q * cos + _rotate_half(q) * sin
-            k = k * cos + _rotate_half(k) * sin
+            if hasattr(attn, "qkv_proj"):  # fused by export/quantize.py: one node for the three
+                q, k, v = _split(attn.qkv_proj(x), attn.qkv_proj.split)
+            else:
+                q, k, v = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
+            if self.contrib_ops:
+                from .contrib import rotary
+
+                q = rotary(q, position_ids, self.cos_cache.to(q.dtype), self.sin_cache.to(q.dtype), self.num_heads)
+                k = rotary(k, position_ids, self.cos_cache.to(k.dtype), self.sin_cache.to(k.dtype), self.num_kv_heads)
+            q = q.view(b, t, self.num_heads, self.head_dim).transpose(1, 2)
+            k = k.view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
+            v = v.view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
+            if not self.contrib_ops:
+                q = q * cos + _rotate_half(q) * sin
+                k = k * cos + _rotate_half(k) * sin
             write = kv_write_inplace if self.inplace else kv_write
             key_cache = write(past[2 * i], k.to(past[2 * i].dtype), write_indices)
             value_cache = write(past[2 * i + 1], v.to(past[2 * i + 1].dtype), write_indices)
@@ -140,6 +178,6 @@ class SpecGraph(nn.Module):
             out = torch.matmul(probs.view(b, self.num_kv_heads, groups * t, window), values)  # [B, Hkv, G*T, D]
             out = out.reshape(b, self.num_heads, t, self.head_dim).transpose(1, 2).reshape(b, t, -1)
             h = h + attn.o_proj(out)
-            h = h + layer.mlp(rms_norm(layer.post_attention_layernorm, h))
+            h = h + _mlp(layer.mlp, rms_norm(layer.post_attention_layernorm, h))
         logits = self.lm_head(rms_norm(self.norm, h)).float()
         return (logits, *presents)

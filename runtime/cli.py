@@ -24,6 +24,9 @@ class _Cli(click.Group):
             ctx.exit(1)
 
 
+DTYPES = ["fp32", "fp16", "int8", "int4"]  # export/onnx_export.py's, without importing torch here
+
+
 @click.group(cls=_Cli)
 def main():
     """Export draft and target models into bundles; run lossless speculative decoding."""
@@ -35,15 +38,20 @@ def main():
 @click.option("--out", required=True, type=click.Path(path_type=Path), help="Bundle folder to write.")
 @click.option("--max-seq", default=1024, show_default=True, help="KV buffer length: prompt + new tokens must fit.")
 @click.option("--max-draft", default=8, show_default=True, help="Largest draft length a verify pass may carry.")
-@click.option("--dtype", type=click.Choice(["fp32", "fp16"]), default="fp32", show_default=True, help="Weights and KV cache (fp16 is for GPUs).")
+@click.option("--dtype", type=click.Choice(DTYPES), default="fp32", show_default=True,
+              help="Target weights: fp32; fp16 (GPUs; KV cache fp16 too); int8/int4 (weight-only blocks, CPUs).")
+@click.option("--draft-dtype", type=click.Choice(DTYPES), default=None, help="Draft model weights.  [default: --dtype]")
 @click.option("--prefill-chunk", default=64, show_default=True, help="Prompt tokens per prefill pass.")
-def export_cmd(target, draft, out, max_seq, max_draft, dtype, prefill_chunk):
+def export_cmd(target, draft, out, max_seq, max_draft, dtype, draft_dtype, prefill_chunk):
     """Export TARGET (and its draft) into an ONNX bundle with in-place KV buffers."""
     from specdeploy.export import build_bundle, embedded_default
 
     if target == "smollm2":
         target = embedded_default()
-    build_bundle(target, draft, out, max_seq, max_draft, dtype, prefill_chunk, log=lambda m: click.echo(m, err=True))
+    build_bundle(
+        target, draft, out, max_seq, max_draft, dtype, prefill_chunk, log=lambda m: click.echo(m, err=True),
+        draft_dtype=draft_dtype,
+    )
 
 
 def _parse_ids(text: str) -> list[int]:

@@ -1,0 +1,125 @@
+"""Our runtime against llama.cpp on the same GGUF, same prompts, same threads, alternating.
+
+    pip install llama-cpp-python      # optional: it compiles llama.cpp (minutes)
+    python benchmarks/llamacpp.py engines/smollm2-int4 [engines/smollm2-int8 ...] [--gguf FILE]
+        [--prompts FILE] [--max-new-tokens N] [--repeats R] [--threads N] [--json OUT]
+
+For every prompt (our chat template applied; llama.cpp gets the very same token ids), one
+repeat runs, in this order: llama.cpp plain, llama.cpp prompt-lookup speculation
+(LlamaPromptLookupDecoding), then for each bundle ours plain and ours speculative (the
+bundle's draft, draft length auto). Greedy everywhere. tokens/s = new tokens / wall time
+from the call to the last token (prompt processing included, on both sides), median over
+repeats, then over prompts. Each speculative output is compared with its own plain one.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+from specdeploy.runtime import Session
+
+HERE = Path(__file__).parent
+
+
+def llama_generate(llm, ids: list[int], max_new_tokens: int, eos: set[int]) -> tuple[list[int], float]:
+    t0 = time.perf_counter()
+    out: list[int] = []
+    for token in llm.generate(ids, top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0, reset=True):
+        out.append(int(token))
+        if token in eos or len(out) >= max_new_tokens:
+            break
+    return out, time.perf_counter() - t0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("bundles", nargs="+")
+    ap.add_argument("--gguf", help="GGUF for llama.cpp (default: the embedded default)")
+    ap.add_argument("--prompts", default=str(HERE / "prompts.txt"))
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--lookup-tokens", type=int, default=10, help="llama.cpp prompt-lookup draft length")
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    try:
+        import llama_cpp
+        from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+    except ImportError:
+        sys.exit("this benchmark needs llama-cpp-python: pip install llama-cpp-python")
+    if args.gguf is None:
+        from specdeploy.export import embedded_default
+
+        args.gguf = str(embedded_default())
+    prompts = [p for p in Path(args.prompts).read_text().splitlines() if p.strip()]
+    sessions = {path: Session(path, threads=args.threads) for path in args.bundles}
+    first = next(iter(sessions.values()))
+    ctx = first.bundle.max_seq
+    common = dict(n_ctx=ctx, n_threads=args.threads, n_threads_batch=args.threads, verbose=False, seed=0)
+    plain_llm = llama_cpp.Llama(args.gguf, **common)
+    lookup_llm = llama_cpp.Llama(
+        args.gguf, draft_model=LlamaPromptLookupDecoding(num_pred_tokens=args.lookup_tokens), **common
+    )
+    eos = set(first.eos_token_ids)
+
+    names = ["llama.cpp plain", "llama.cpp lookup"] + [f"{p} {m}" for p in sessions for m in ("plain", "spec")]
+    tps: dict[str, list[float]] = {n: [] for n in names}
+    same = {n: 0 for n in names if not n.endswith("plain")}
+    match_llama = {p: 0 for p in sessions}
+    rows = []
+    for prompt in prompts:
+        ids = first.encode(prompt, chat=True)
+        runs: dict[str, list[float]] = {n: [] for n in names}
+        for _ in range(args.repeats):
+            ref, s = llama_generate(plain_llm, ids, args.max_new_tokens, eos)
+            runs["llama.cpp plain"].append(len(ref) / s)
+            look, s = llama_generate(lookup_llm, ids, args.max_new_tokens, eos)
+            runs["llama.cpp lookup"].append(len(look) / s)
+            outputs = {}
+            for path, session in sessions.items():
+                plain = session.generate(prompt_ids=ids, max_new_tokens=args.max_new_tokens, speculate=False)
+                spec = session.generate(prompt_ids=ids, max_new_tokens=args.max_new_tokens, draft_len="auto")
+                runs[f"{path} plain"].append(plain.stats.tokens_per_second)
+                runs[f"{path} spec"].append(spec.stats.tokens_per_second)
+                outputs[path] = (plain.token_ids, spec.token_ids, spec.stats)
+        row = {"prompt": prompt[:40], "new_tokens": len(ref)}
+        for n in names:
+            row[n] = round(statistics.median(runs[n]), 2)
+            tps[n].append(statistics.median(runs[n]))
+        same["llama.cpp lookup"] += look == ref
+        row["llama.cpp lookup identical"] = look == ref
+        for path, (plain_ids, spec_ids, stats) in outputs.items():
+            same[f"{path} spec"] += spec_ids == plain_ids
+            match_llama[path] += plain_ids == ref
+            row[f"{path} spec identical"] = spec_ids == plain_ids
+            row[f"{path} plain equals llama.cpp"] = plain_ids == ref
+            row[f"{path} acceptance"] = round(stats.acceptance_rate, 3)
+        rows.append(row)
+        print(json.dumps(row), file=sys.stderr, flush=True)
+
+    base = statistics.median(tps["llama.cpp plain"])
+    summary = {}
+    print(f"\n{len(prompts)} prompts, {args.max_new_tokens} new tokens max, {args.threads} threads, median of {args.repeats}")
+    print(f"{'engine':50s} {'tok/s':>8s} {'vs llama.cpp':>13s}  output")
+    for n in names:
+        med = statistics.median(tps[n])
+        if n in same:
+            check = f"{same[n]}/{len(prompts)} identical to its plain decoding"
+        elif n.endswith(" plain") and n != "llama.cpp plain":
+            check = f"{match_llama[n[: -len(' plain')]]}/{len(prompts)} identical to llama.cpp plain"
+        else:
+            check = ""
+        summary[n] = {"tokens_per_second": round(med, 2), "vs_llama_cpp_plain": round(med / base, 3), "check": check}
+        print(f"{n:50s} {med:8.1f} {med / base:12.2f}x  {check}")
+    if args.json:
+        meta = {"gguf": args.gguf, "threads": args.threads, "repeats": args.repeats, "max_new_tokens": args.max_new_tokens,
+                "llama_cpp_python": llama_cpp.__version__, "prompts": len(prompts)}
+        Path(args.json).write_text(json.dumps({"meta": meta, "summary": summary, "rows": rows}, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
