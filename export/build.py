@@ -93,7 +93,7 @@ def _export_model(
     t0 = time.perf_counter()
     if graph.quantization is not None:  # the CPU graphs: ONNX Runtime's fused RoPE too
         graph.use_contrib_ops(max_seq)
-    export_onnx(graph, work / graph_file, max_seq, DTYPES[dtype])
+    export_onnx(graph, work / graph_file, max_seq, DTYPES[dtype], optimize=graph.quantization is None)
     entry = model_entry(graph, source, graph_file, dtype, max_seq)
     if graph.quantization is not None:
         entry["quantization"] = graph.quantization

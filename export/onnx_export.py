@@ -42,8 +42,13 @@ def kv_buffers(graph: SpecGraph, max_seq: int, dtype: torch.dtype) -> list[torch
     return [torch.zeros(shape, dtype=dtype) for _ in range(2 * graph.num_layers)]
 
 
-def export_onnx(graph: SpecGraph, path: Path, max_seq: int, kv_dtype: torch.dtype) -> None:
-    """Export with torch.onnx (dynamo), name the dynamic dims T and L, run onnx.checker."""
+def export_onnx(graph: SpecGraph, path: Path, max_seq: int, kv_dtype: torch.dtype, optimize: bool = True) -> None:
+    """Export with torch.onnx (dynamo), name the dynamic dims T and L, run onnx.checker.
+
+    `optimize` runs the exporter's graph optimizer (constant folding: TensorRT's parser
+    wants constant axes and shapes as initializers). The CPU-only quantized graphs skip it:
+    ONNX Runtime folds the same at load, and on them the optimizer's pattern matching
+    takes minutes."""
     import onnx
 
     t = 3
@@ -80,7 +85,7 @@ def export_onnx(graph: SpecGraph, path: Path, max_seq: int, kv_dtype: torch.dtyp
                 torch.ops.specdeploy.rotary.default: rotary_onnx,
             },
             verbose=False,
-            optimize=False,
+            optimize=optimize,
         )
     program.save(path, external_data=False)
     model = onnx.load(str(path))

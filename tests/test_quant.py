@@ -1,0 +1,199 @@
+"""Quantized graphs: the ops against their eager meaning, GGUF block decoding against gguf-py,
+bundles of every dtype, losslessness for a quantized target and a quantized draft."""
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import MAX_SEQ, PREFILL_CHUNK
+from tiny import PROMPTS
+
+from specdeploy.export.contrib import rope_caches, rotary
+from specdeploy.export.graph import _rotate_half
+from specdeploy.export.quantize import (
+    ACCURACY_LEVEL, BLOCK, GGUF_BLOCKS, Blocks, gguf_blocks, matmul_nbits, pack, quantize_float,
+)
+from specdeploy.runtime import Session
+
+
+def _single_node_session(op: str, inputs: dict, initializers: dict, **attrs):
+    """An ONNX Runtime session over one contrib op, with the attributes our exporter writes."""
+    import onnx
+    import onnxruntime as ort
+    from onnx import helper, numpy_helper
+
+    from specdeploy.export.contrib import DOMAIN
+
+    node = helper.make_node(op, [*inputs, *initializers], ["y"], domain=DOMAIN, **attrs)
+    elem = {np.float32: onnx.TensorProto.FLOAT, np.int64: onnx.TensorProto.INT64}
+    graph = helper.make_graph(
+        [node], "g",
+        [helper.make_tensor_value_info(n, elem[v.dtype.type], list(v.shape)) for n, v in inputs.items()],
+        [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, None)],
+        [numpy_helper.from_array(v, n) for n, v in initializers.items()],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid(DOMAIN, 1)])
+    return ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("rows", [1, 5])
+def test_matmul_nbits_node_equals_its_eager_meaning(bits, rows):
+    """ONNX Runtime's MatMulNBits (accuracy level 4) on our packing == the eager op, which
+    dequantizes the blocks and rounds activations to int8 blocks the same way."""
+    rng = np.random.default_rng(bits * 10 + rows)
+    n, k = 96, 128
+    blocks = quantize_float(rng.standard_normal((n, k)).astype(np.float32), bits)
+    blocks.mins = None  # the block minimum is a separate term in the graph, tested end to end
+    packed, scales, zp = pack(blocks)
+    x = (rng.standard_normal((1, rows, k)) * 3).astype(np.float32)
+    sess = _single_node_session(
+        "MatMulNBits", {"x": x}, {"B": packed, "s": scales, "z": zp}, K=k, N=n, bits=bits, block_size=BLOCK,
+        accuracy_level=ACCURACY_LEVEL,
+    )
+    got = sess.run(None, {"x": x})[0]
+    want = matmul_nbits(*map(torch.from_numpy, (x, packed, scales, zp)), k, n, bits).numpy()
+    scale = np.abs(want).max()
+    assert np.abs(got - want).max() <= 1e-5 * scale
+    # and the eager op is the dequantized weight (up to the activation rounding it models)
+    plain = x @ blocks.dequantize().T
+    assert np.abs(want - plain).max() <= 0.05 * scale
+
+
+def test_rotary_node_equals_the_standard_op_rope():
+    rng = np.random.default_rng(0)
+    heads, d, t = 3, 16, 5
+    inv_freq = torch.tensor(1.0 / (10000 ** (np.arange(0, d, 2) / d)), dtype=torch.float32)
+    cos, sin = rope_caches(inv_freq, 1.0, 64)
+    x = rng.standard_normal((1, t, heads * d)).astype(np.float32)
+    pos = np.arange(7, 7 + t, dtype=np.int64)[None]
+    sess = _single_node_session(
+        "RotaryEmbedding", {"x": x, "pos": pos}, {"cos": cos.numpy(), "sin": sin.numpy()}, interleaved=0, num_heads=heads
+    )
+    got = sess.run(None, {"x": x, "pos": pos})[0]
+    eager = rotary(torch.from_numpy(x), torch.from_numpy(pos), cos, sin, heads).numpy()
+    # the fp32/fp16 graphs' formula: x * cos + rotate_half(x) * sin over full-width angles
+    freqs = torch.from_numpy(pos)[..., None].float() * inv_freq
+    emb = torch.cat((freqs, freqs), -1)[:, None]  # [1, 1, T, D]
+    xh = torch.from_numpy(x).view(1, t, heads, d).transpose(1, 2)
+    standard = (xh * emb.cos() + _rotate_half(xh) * emb.sin()).transpose(1, 2).reshape(1, t, heads * d).numpy()
+    assert np.abs(got - eager).max() < 1e-5
+    assert np.abs(eager - standard).max() < 1e-5
+
+
+@pytest.mark.parametrize("kind", sorted(GGUF_BLOCKS))
+def test_gguf_blocks_decode_as_gguf_py_dequantizes(kind):
+    """Our reading of ggml's block layout, against gguf-py's reference dequantizer."""
+    import gguf
+
+    rng = np.random.default_rng(len(kind))
+    n, k = 6, 64
+    size, _ = GGUF_BLOCKS[kind]
+    raw = rng.integers(0, 256, size=(n, k // BLOCK, size), dtype=np.uint8)
+    halves = rng.uniform(-0.1, 0.1, size=(n, k // BLOCK, 2)).astype(np.float16)  # finite d (and m)
+    raw[..., 0:4 if kind == "Q4_1" else 2] = halves[..., : 2 if kind == "Q4_1" else 1].view(np.uint8).reshape(n, k // BLOCK, -1)
+    raw = raw.reshape(n, -1)
+    want = gguf.quants.dequantize(raw, getattr(gguf.GGMLQuantizationType, kind)).reshape(n, k)
+    assert np.array_equal(gguf_blocks(kind, raw, n, k).dequantize(), want)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_float_quantization_error_is_at_most_half_a_step(bits):
+    w = np.random.default_rng(bits).standard_normal((8, 64)).astype(np.float32)
+    b = quantize_float(w, bits)
+    step = np.repeat(b.scale, BLOCK, axis=1)
+    assert (np.abs(b.dequantize() - w) <= step / 2 + 1e-6).all()
+    assert b.q.max() <= (15 if bits == 4 else 255)
+
+
+def test_blocks_concat_and_rows_keep_values():
+    rng = np.random.default_rng(3)
+    a, b = (quantize_float(rng.standard_normal((n, 64)).astype(np.float32), 4) for n in (4, 6))
+    fused = Blocks.concat([a, b])
+    assert np.array_equal(fused.dequantize(), np.concatenate([a.dequantize(), b.dequantize()]))
+    rows = np.array([3, 0, 2, 1])
+    assert np.array_equal(a.take_rows(rows).dequantize(), a.dequantize()[rows])
+
+
+# -- bundles -------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def quant_bundles(models, tmp_path_factory):
+    from specdeploy.export import build_bundle
+
+    root = tmp_path_factory.mktemp("quant")
+    made = {}
+
+    def get(name):
+        if name not in made:
+            target, draft, dtype, draft_dtype = {
+                "int4-self": ("llama", "self:layers=1", "int4", None),  # quantized target and draft
+                "int8-self": ("llama", "self:layers=1", "int8", None),
+                "fp32-int4draft": ("llama", str(models["llama_draft"]), "fp32", "int4"),  # quantized draft only
+                "fp16-none": ("llama", "none", "fp16", None),
+            }[name]
+            build_bundle(models[target], draft, root / name, max_seq=MAX_SEQ, max_draft=8, dtype=dtype,
+                         prefill_chunk=PREFILL_CHUNK, draft_dtype=draft_dtype)
+            made[name] = root / name
+        return made[name]
+
+    return get
+
+
+@pytest.mark.parametrize("name", ["int4-self", "int8-self", "fp32-int4draft", "fp16-none"])
+def test_each_dtype_exports_loads_and_runs(quant_bundles, name):
+    path = quant_bundles(name)
+    manifest = json.loads((path / "manifest.json").read_text())
+    for role, entry in manifest["models"].items():
+        q = entry.get("quantization")
+        if entry["dtype"] in ("int4", "int8"):
+            bits = int(entry["dtype"][3:])
+            assert q["scheme"] == entry["dtype"] and q["linear_bits"] == bits and q["head_bits"] == 8
+            layers = entry["num_layers"]
+            want = {f"float->int{bits}": 7 * layers} if bits == 4 else {"float->int8": 7 * layers + 1}
+            if bits == 4:
+                want["float->int8"] = 1  # the head
+            assert q["tensors"] == want
+            assert q["imported_exactly"] == 0 and q["quantized_from_float"] == 7 * layers + 1
+            assert entry["kv_dtype"] == "float32"  # the KV cache stays float
+            graph = (path / entry["graph"]).read_bytes()
+            assert b"MatMulNBits" in graph and b"RotaryEmbedding" in graph
+        else:
+            assert q is None
+    session = Session(path)
+    result = session.generate(PROMPTS[0], max_new_tokens=12)
+    assert len(result.token_ids) >= 1
+
+
+def test_fp16_bundle_records_fp16_kv(quant_bundles):
+    entry = json.loads((quant_bundles("fp16-none") / "manifest.json").read_text())["models"]["target"]
+    assert entry["dtype"] == "fp16" and entry["kv_dtype"] == "float16"
+
+
+@pytest.mark.parametrize("name", ["int4-self", "int8-self", "fp32-int4draft"])
+def test_speculation_is_lossless_over_quantized_engines(quant_bundles, name):
+    """Greedy speculative output == plain decoding of the same (quantized) target, on every
+    prompt, at several draft lengths."""
+    session = Session(quant_bundles(name))
+    drafted = 0
+    for prompt in PROMPTS:
+        plain = session.generate(prompt, max_new_tokens=24, speculate=False)
+        for k in (1, 4, "auto"):
+            spec = session.generate(prompt, max_new_tokens=24, draft_len=k)
+            assert spec.token_ids == plain.token_ids, (prompt, k)
+            drafted += spec.stats.drafted
+    assert drafted > 0
+
+
+def test_int4_verify_rows_equal_single_steps(quant_bundles):
+    """What losslessness rests on: MatMulNBits rounds each row's activations on its own, so a
+    verify pass's rows are bit-identical to single steps at the same positions."""
+    session = Session(quant_bundles("int4-self"))
+    engine = session.target
+    ids = np.random.default_rng(0).integers(0, engine.vocab_size, 60)
+    engine.forward(ids[:20], 0)
+    for start in (20, 29, 38):
+        multi = engine.forward(ids[start : start + 9], start).copy()
+        single = np.stack([engine.forward(ids[start + i : start + i + 1], start + i)[0].copy() for i in range(9)])
+        assert np.array_equal(multi, single)
