@@ -27,7 +27,7 @@ KV_DTYPES = {"fp32": "float32", "fp16": "float16", "int8": "float32", "int4": "f
 # int8 step, and over 30 layers of random-token inputs that compounds (0.11 measured on
 # SmolLM2). The bound catches a wrong graph (a packing error is O(1)); the quality table
 # (benchmarks/quant_quality.py) measures the quantized model on real text.
-PARITY_RTOL = {"fp32": 1e-4, "fp16": 2e-2, "int8": 1.0, "int4": 1.0}
+PARITY_RTOL = {"fp32": 1e-4, "fp16": 2e-2, "int8": 0.25, "int4": 0.25}
 
 
 def io_names(num_layers: int) -> tuple[list[str], list[str]]:

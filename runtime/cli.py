@@ -231,13 +231,15 @@ def eval_cmd(bundle, prompts_file, max_new_tokens, draft_len, samples, alpha, ne
 @click.option("--prompt", default=DEFAULT_PROMPT, show_default=True)
 @click.option("--max-new-tokens", default=128, show_default=True)
 @click.option("--draft-len", default="auto", show_default=True)
+@click.option("--dtype", type=click.Choice(DTYPES), default="int4", show_default=True,
+              help="Target weights; int4 imports the GGUF's own 4-bit blocks exactly.")
 @click.option("--rebuild", is_flag=True, help="Export again even if the bundle exists.")
-def demo(out, draft, prompt, max_new_tokens, draft_len, rebuild):
+def demo(out, draft, prompt, max_new_tokens, draft_len, dtype, rebuild):
     """The main job on the embedded default: export SmolLM2-135M-Instruct (once), answer a
     chat prompt with speculative decoding, then compare with plain decoding."""
     from .demo import run_demo
 
-    run_demo(out, draft, prompt, max_new_tokens, draft_len, rebuild)
+    run_demo(out, draft, prompt, max_new_tokens, draft_len, rebuild, dtype)
 
 
 if __name__ == "__main__":

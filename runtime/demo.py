@@ -12,10 +12,12 @@ from .report import summary
 from .session import Session
 
 
-def _bundle_ready(out: Path, draft: str) -> bool:
+def _bundle_ready(out: Path, draft: str, dtype: str) -> bool:
     try:
         bundle = load_bundle(out)
     except BundleError:
+        return False
+    if bundle.manifest["models"]["target"]["dtype"] != dtype:
         return False
     kind = bundle.draft_kind
     want = "self" if draft.startswith("self:") else draft
@@ -24,12 +26,16 @@ def _bundle_ready(out: Path, draft: str) -> bool:
     return kind != "self" or f"self:layers={bundle.manifest['draft']['layers']}" == draft
 
 
-def run_demo(out: Path, draft: str, prompt: str, max_new_tokens: int, draft_len: int | str, rebuild: bool) -> None:
-    if rebuild or not _bundle_ready(out, draft):
+def run_demo(
+    out: Path, draft: str, prompt: str, max_new_tokens: int, draft_len: int | str, rebuild: bool, dtype: str = "int4"
+) -> None:
+    if rebuild or not _bundle_ready(out, draft, dtype):
         from specdeploy.export import build_bundle, embedded_default
 
-        click.echo(f"exporting SmolLM2-135M-Instruct with draft {draft} to {out} (once; later runs reuse it)", err=True)
-        build_bundle(embedded_default(), draft, out, log=lambda m: click.echo(m, err=True))
+        click.echo(
+            f"exporting SmolLM2-135M-Instruct ({dtype}) with draft {draft} to {out} (once; later runs reuse it)", err=True
+        )
+        build_bundle(embedded_default(), draft, out, dtype=dtype, log=lambda m: click.echo(m, err=True))
     session = Session(out)
     click.echo(f"\n> {prompt}\n")
     gen = session.stream(prompt, chat=True, max_new_tokens=max_new_tokens, draft_len=draft_len)

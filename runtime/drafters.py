@@ -33,16 +33,42 @@ class ModelDrafter:
     def reset(self) -> None:
         self.length = 0
 
+    def _rollback(self, ids: np.ndarray) -> np.ndarray:
+        """Rollback is moving the length back to what the cache and the text agree on; the
+        first pass then catches up on every token the cache has not seen (returned)."""
+        m = min(self.length, ids.shape[0] - 1)
+        same = self.fed[:m] == ids[:m]
+        self.length = m if same.all() else int(same.argmin())
+        return ids[self.length :]
+
+    def fused_with(self, target: Engine) -> bool:
+        """Whether a greedy round can run draft and verify on the device with one host
+        synchronisation (engines that offer draft_chain / verify_chain, on one device)."""
+        return (
+            hasattr(self.engine, "draft_chain") and hasattr(target, "verify_chain")
+            and getattr(self.engine, "device", None) == getattr(target, "device", None)
+        )
+
+    def propose_and_verify(self, target: Engine, ids: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray, float]:
+        """The fused greedy round: k draft tokens chained on the device, verified by the
+        target from device memory. Returns (draft tokens [k], the target's argmax for each
+        of the k+1 rows, the draft's share of the time in seconds)."""
+        t0 = time.perf_counter()
+        pending = self._rollback(ids)
+        chain = self.engine.draft_chain(pending, self.length, k)
+        drafts, choice = target.verify_chain(int(ids[-1]), chain, ids.shape[0] - 1)
+        fed = np.concatenate([pending, drafts[:-1]])  # the chain fed every draft token but the last
+        self.fed[self.length : self.length + fed.shape[0]] = fed
+        self.length += fed.shape[0]
+        self.passes += k
+        draft_seconds = self.engine.chain_seconds()
+        self.seconds += draft_seconds
+        return drafts, choice, time.perf_counter() - t0 - draft_seconds
+
     def propose(self, ids: np.ndarray, k: int, params: SamplingParams, rng: np.random.Generator):
         """ids [n] committed tokens -> up to k draft tokens and their draft probs."""
         t0 = time.perf_counter()
-        n = ids.shape[0]
-        # Rollback is moving the length back to what the cache and the text agree on;
-        # the first pass then catches up on every token the cache has not seen.
-        m = min(self.length, n - 1)
-        same = self.fed[:m] == ids[:m]
-        self.length = m if same.all() else int(same.argmin())
-        pending = ids[self.length :]
+        pending = self._rollback(ids)
         tokens = np.empty(k, dtype=np.int64)
         probs = None if params.greedy else np.empty((k, self.engine.vocab_size), dtype=np.float64)
         count = 0

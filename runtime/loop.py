@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .backends import Engine
-from .sampling import SamplingParams, verify_greedy, verify_sampled, warp
+from .sampling import SamplingParams, accept_greedy, verify_greedy, verify_sampled, warp
 
 
 @dataclass
@@ -101,6 +101,14 @@ def speculative_round(
 ) -> np.ndarray:
     """One round: draft up to k, verify k'+1 in one target pass, accept, correct or bonus.
     Returns the tokens it commits (1..k'+1). With k = 0 it is one plain decoding step."""
+    if params.greedy and k > 0 and getattr(drafter, "fused_with", None) and drafter.fused_with(target):
+        # Draft and verify on the device, one host synchronisation: only token ids come back.
+        draft_tokens, choice, verify_seconds = drafter.propose_and_verify(target, ids, k)
+        stats.verify_seconds += verify_seconds
+        stats.target_passes += 1
+        n_accepted, next_token = accept_greedy(draft_tokens, choice)
+        stats.record_round(k, k, n_accepted)
+        return np.append(draft_tokens[:n_accepted], next_token)
     if drafter is not None and k > 0:
         draft_tokens, draft_probs = drafter.propose(ids, k, params, rng)  # [k'], [k', V] or None
     else:
@@ -135,7 +143,8 @@ def decode(
     The caller has checked that prompt + max_new_tokens fits the bundle's max sequence.
     Host synchronisation: each engine pass returns its logits to the host once, so a round
     is one for the verify pass plus one per draft step (the drafter picks each token on the
-    host); one per round would need the draft steps run on the device as a whole.
+    host), except a greedy round over engines that chain the draft on the device (the
+    torch backend): one per round.
     """
     t_start = time.perf_counter()
     rng = np.random.default_rng(params.seed)

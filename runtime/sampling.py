@@ -78,7 +78,11 @@ def sample(probs: np.ndarray, rng: np.random.Generator) -> int:
 
 def verify_greedy(draft_tokens: np.ndarray, target_logits: np.ndarray) -> tuple[int, int]:
     """-> (accepted count, the target's own next token). target_logits [k+1, V]."""
-    target_tokens = target_logits.argmax(axis=-1)
+    return accept_greedy(draft_tokens, target_logits.argmax(axis=-1))
+
+
+def accept_greedy(draft_tokens: np.ndarray, target_tokens: np.ndarray) -> tuple[int, int]:
+    """-> (accepted count, the target's own next token). target_tokens [k+1]: its argmaxes."""
     agree = draft_tokens == target_tokens[:-1]
     n = int(agree.argmin()) if not agree.all() else agree.shape[0]
     return n, int(target_tokens[n])

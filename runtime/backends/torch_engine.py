@@ -24,6 +24,12 @@ on the CPU, `benchmarks/gpu_check.py` checks replay against eager on a GPU.
 Host synchronisation: inputs go up as one small copy from pinned memory (the token ids and
 the write position; positions and mask are computed on the device), the logits come back
 into pinned memory and the stream is synchronised once: the only sync of a pass.
+
+A greedy round with a model draft needs less: `draft_chain` runs the draft's k steps on
+the device, each step's argmax written into the next step's input and the write position
+advanced on the device, and `verify_chain` feeds those tokens to the target's verify pass
+from device memory and brings back only the k draft tokens and the k+1 target argmaxes:
+one host synchronisation per round (the loop uses it when both engines offer it).
 """
 from __future__ import annotations
 
@@ -34,7 +40,7 @@ import numpy as np
 import torch
 
 from ..bundle import ModelSpec
-from ..errors import BundleError
+from ..errors import BundleError, InputError
 from . import check_pass
 
 
@@ -45,7 +51,7 @@ class TorchEngineStats:
     passes: int = 0
     replays: int = 0  # passes served by a captured graph
     eager: int = 0
-    host_syncs: int = 0  # one per pass: the logits copy
+    host_syncs: int = 0  # one per pass (the logits copy); none for a draft chain, one per verify_chain
     graphs: list[tuple[int, int]] = field(default_factory=list)  # (T, Lb) of each captured graph
     capture_seconds: float = 0.0
     capture_error: str | None = None  # set when a capture failed; the engine then stays eager
@@ -116,6 +122,12 @@ class TorchEngine:
         self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._pool = torch.cuda.graph_pool_handle() if self.capture else None
         self._events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) if cuda else None
+        # The fused greedy round: draft tokens produced on the device, and what comes back.
+        self._chain_out = torch.zeros(max_seq, dtype=torch.int64, device=self.device)
+        self._chain_events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) if cuda else None
+        self._chain_host_seconds = 0.0
+        self._result = torch.zeros(2 * max_seq + 1, dtype=torch.int64, device=self.device)
+        self._result_host = torch.zeros(2 * max_seq + 1, dtype=torch.int64, pin_memory=cuda) if cuda else self._result
 
     @classmethod
     def from_bundle(cls, bundle, spec: ModelSpec, device=None, threads: int | None = None, **options) -> "TorchEngine":
@@ -190,6 +202,86 @@ class TorchEngine:
             if timing:
                 self.stats.device_seconds += self._events[0].elapsed_time(self._events[1]) / 1000
             return host.numpy()
+
+    # -- a greedy round with one host synchronisation ---------------------------------------
+    def _upload(self, n: int) -> None:
+        """The first n staged values (write position, ids) to the device, asynchronously."""
+        if self.device.type != "cpu":
+            self._io[:n].copy_(self._stage[:n], non_blocking=True)
+
+    def _window(self, t: int, start: int) -> int:
+        fixed = self.buckets and t <= self.capture_max_t
+        return window_bucket(start + t, self.max_seq, self.min_window) if fixed else start + t
+
+    def draft_chain(self, pending: np.ndarray, start: int, k: int) -> torch.Tensor:
+        """Greedy-draft k tokens without a host synchronisation: one pass over `pending` (the
+        tokens this cache has not seen, at positions start..), then k-1 single steps, each
+        fed the previous step's argmax on the device. Returns the k tokens, on the device
+        (valid until the next chain); the caller's verify pass brings them back."""
+        pending = np.asarray(pending, dtype=np.int64)
+        check_pass(self.name, pending, start, self.max_seq, self.vocab_size)
+        t = pending.shape[0]
+        if k < 1 or start + t + k - 1 > self.max_seq:
+            raise InputError(f"{self.name}: a draft chain of {k} from position {start + t} leaves the KV buffer [0, {self.max_seq})")
+        t0 = time.perf_counter()
+        self._stage_np[0] = start
+        self._stage_np[1 : 1 + t] = pending
+        out = self._chain_out
+        timing = self._chain_events is not None
+        with torch.no_grad():
+            if timing:
+                self._chain_events[0].record()
+            self._upload(t + 1)
+            pos = start
+            for i in range(k):
+                self.stats.passes += 1
+                logits = self._pass(t, self._window(t, pos)) if self.device.type == "cpu" else self._run(t, self._window(t, pos))
+                if self.device.type == "cpu":
+                    self.stats.eager += 1
+                out[i : i + 1].copy_(logits[0, -1].argmax(-1, keepdim=True))
+                if i + 1 < k:
+                    self._io[:1].add_(t)  # the next write position, advanced on the device
+                    self._io[1:2].copy_(out[i : i + 1])
+                    pos += t
+                    t = 1
+            if timing:
+                self._chain_events[1].record()
+        self._chain_host_seconds = time.perf_counter() - t0
+        return out[:k]
+
+    def chain_seconds(self) -> float:
+        """The last draft chain's duration: CUDA-event time on a GPU (read after the round's
+        synchronisation), wall clock on a CPU (where every op completes before returning)."""
+        if self._chain_events is None:
+            return self._chain_host_seconds
+        return self._chain_events[0].elapsed_time(self._chain_events[1]) / 1000
+
+    def verify_chain(self, last: int, drafts: torch.Tensor, start: int) -> tuple[np.ndarray, np.ndarray]:
+        """The verify pass over [last, *drafts] at positions start.., the drafts read from
+        device memory. Returns (drafts, the target's argmax for each of the k+1 rows) on the
+        host, after the round's one synchronisation."""
+        k = drafts.shape[0]
+        t = k + 1
+        check_pass(self.name, np.array([last], dtype=np.int64), start, self.max_seq - k, self.vocab_size)
+        self._stage_np[0] = start
+        self._stage_np[1] = last
+        with torch.no_grad():
+            self._upload(2)
+            self._io[2 : 2 + k].copy_(drafts)
+            self.stats.passes += 1
+            if self.device.type == "cpu":
+                self.stats.eager += 1
+                logits = self._pass(t, self._window(t, start))
+            else:
+                logits = self._run(t, self._window(t, start))
+            self._result[:k].copy_(drafts)
+            self._result[k : k + t].copy_(logits[0].argmax(-1))
+            if self.device.type != "cpu":
+                self._result_host[: k + t].copy_(self._result[: k + t], non_blocking=True)
+                torch.cuda.current_stream(self.device).synchronize()  # the one host sync of the round
+            self.stats.host_syncs += 1
+        host = self._result_host[: k + t].numpy()
+        return host[:k].copy(), host[k : k + t].copy()
 
     # -- the pass ---------------------------------------------------------------------------
     def _pass(self, t: int, window: int) -> torch.Tensor:
