@@ -228,6 +228,35 @@ def lossless(c: Check, device: str, sizes: dict, prompts, new_tokens: int) -> No
             rejections=rejections, distinct_tokens=len(distinct))
     c.check("kv_buffers_keep_addresses", target.kv_addresses() == kv0)
     sync_check(c, target, target_eager, vocab, device)
+    round_sync_check(c, target, drafters["self"], prompts[0], new_tokens, device)
+
+
+def round_sync_check(c: Check, target, drafter, prompt, new_tokens: int, device) -> None:
+    """At most one host sync per greedy round: the draft chains its k steps on the device
+    and the verify pass reads them there. Counted twice: the engines' own count, and on a
+    GPU the synchronising calls PyTorch's sync debug mode reports during the rounds."""
+    assert drafter.fused_with(target)
+    generate(target, drafter, prompt, new_tokens, 4)  # captures happen here, outside the count
+    t0, d0 = target.stats.host_syncs, drafter.engine.stats.host_syncs
+    caught = []
+    if device.startswith("cuda"):
+        import warnings
+
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                _, _, stats, rounds = generate(target, drafter, prompt, new_tokens, 4)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+    else:
+        _, _, stats, rounds = generate(target, drafter, prompt, new_tokens, 4)
+    prefill = -(-(len(prompt) - 1) // PREFILL_CHUNK)
+    counted = target.stats.host_syncs - t0 + drafter.engine.stats.host_syncs - d0
+    reported = sum(1 for w in caught if "synchroniz" in str(w.message))
+    c.check("at_most_one_sync_per_round", counted == prefill + len(rounds) and reported <= prefill + len(rounds),
+            rounds=len(rounds), prefill_passes=prefill, engine_syncs=counted,
+            debug_mode_syncs=reported if device.startswith("cuda") else "n/a (no CUDA)")
 
 
 def top2_margin(eager, prompt, committed) -> float:
