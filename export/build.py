@@ -205,7 +205,9 @@ def build_bundle(
         elif spec.kind == "model":
             draft_entry["source"] = str(spec.path)
         elif spec.kind == "ngram":
-            draft_entry.update(max_ngram=3, min_ngram=1)
+            # Matches of a single token propose too often and too wrongly: measured on SmolLM2
+            # (20 varied prompts), n-grams 4..2 accept 26-27% of drafts against 18% for 3..1.
+            draft_entry.update(max_ngram=4, min_ngram=2)
         manifest = {
             "format": FORMAT,
             "format_version": FORMAT_VERSION,

@@ -42,28 +42,36 @@ class ModelDrafter:
         return ids[self.length :]
 
     def fused_with(self, target: Engine) -> bool:
-        """Whether a greedy round can run draft and verify on the device with one host
+        """Whether a round can run draft and verify on the device with one host
         synchronisation (engines that offer draft_chain / verify_chain, on one device)."""
         return (
             hasattr(self.engine, "draft_chain") and hasattr(target, "verify_chain")
             and getattr(self.engine, "device", None) == getattr(target, "device", None)
         )
 
-    def propose_and_verify(self, target: Engine, ids: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray, float]:
-        """The fused greedy round: k draft tokens chained on the device, verified by the
-        target from device memory. Returns (draft tokens [k], the target's argmax for each
-        of the k+1 rows, the draft's share of the time in seconds)."""
+    def propose_and_verify(self, target: Engine, ids: np.ndarray, k: int, params: SamplingParams,
+                           rng: np.random.Generator):
+        """The fused round: k draft tokens chained on the device, verified by the target from
+        device memory, one host synchronisation. Returns (draft tokens [k], draft probs
+        [k, V] or None when greedy, the target's argmax per row (greedy) or its logits
+        [k+1, V] (sampled), the verify's share of the time in seconds). Under sampling the
+        device generator is seeded from `rng`, so a seeded run replays."""
         t0 = time.perf_counter()
         pending = self._rollback(ids)
-        chain = self.engine.draft_chain(pending, self.length, k)
-        drafts, choice = target.verify_chain(int(ids[-1]), chain, ids.shape[0] - 1)
+        if params.greedy:
+            chain = self.engine.draft_chain(pending, self.length, k)
+            drafts, target_out = target.verify_chain(int(ids[-1]), chain, ids.shape[0] - 1)
+            draft_probs = None
+        else:
+            chain, probs = self.engine.draft_chain(pending, self.length, k, params, int(rng.integers(1 << 62)))
+            drafts, draft_probs, target_out = target.verify_chain(int(ids[-1]), chain, ids.shape[0] - 1, probs)
         fed = np.concatenate([pending, drafts[:-1]])  # the chain fed every draft token but the last
         self.fed[self.length : self.length + fed.shape[0]] = fed
         self.length += fed.shape[0]
         self.passes += k
         draft_seconds = self.engine.chain_seconds()
         self.seconds += draft_seconds
-        return drafts, choice, time.perf_counter() - t0 - draft_seconds
+        return drafts, draft_probs, target_out, time.perf_counter() - t0 - draft_seconds
 
     def propose(self, ids: np.ndarray, k: int, params: SamplingParams, rng: np.random.Generator):
         """ids [n] committed tokens -> up to k draft tokens and their draft probs."""

@@ -101,12 +101,15 @@ def speculative_round(
 ) -> np.ndarray:
     """One round: draft up to k, verify k'+1 in one target pass, accept, correct or bonus.
     Returns the tokens it commits (1..k'+1). With k = 0 it is one plain decoding step."""
-    if params.greedy and k > 0 and getattr(drafter, "fused_with", None) and drafter.fused_with(target):
-        # Draft and verify on the device, one host synchronisation: only token ids come back.
-        draft_tokens, choice, verify_seconds = drafter.propose_and_verify(target, ids, k)
+    if k > 0 and getattr(drafter, "fused_with", None) and drafter.fused_with(target):
+        # Draft and verify on the device, one host synchronisation (the torch backend).
+        draft_tokens, draft_probs, target_out, verify_seconds = drafter.propose_and_verify(target, ids, k, params, rng)
         stats.verify_seconds += verify_seconds
         stats.target_passes += 1
-        n_accepted, next_token = accept_greedy(draft_tokens, choice)
+        if params.greedy:
+            n_accepted, next_token = accept_greedy(draft_tokens, target_out)
+        else:
+            n_accepted, next_token = verify_sampled(draft_tokens, draft_probs, warp(target_out, params), rng)
         stats.record_round(k, k, n_accepted)
         return np.append(draft_tokens[:n_accepted], next_token)
     if drafter is not None and k > 0:
@@ -143,8 +146,8 @@ def decode(
     The caller has checked that prompt + max_new_tokens fits the bundle's max sequence.
     Host synchronisation: each engine pass returns its logits to the host once, so a round
     is one for the verify pass plus one per draft step (the drafter picks each token on the
-    host), except a greedy round over engines that chain the draft on the device (the
-    torch backend): one per round.
+    host), except a round over engines that chain the draft on the device (the torch
+    backend with a model draft): one per round.
     """
     t_start = time.perf_counter()
     rng = np.random.default_rng(params.seed)

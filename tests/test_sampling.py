@@ -292,3 +292,26 @@ def test_auto_draft_length_is_reported(bundles):
     history = result.stats.draft_len_history
     assert len(history) == result.stats.target_passes
     assert result.stats.as_dict()["draft_len_histogram"] == {str(k): history.count(k) for k in sorted(set(history))}
+
+
+@pytest.mark.parametrize("setting", [0, 2])
+def test_fused_sampled_rounds_on_torch_have_the_target_distribution(small_vocab, setting):
+    """The torch backend samples the draft chain on the device (one host sync per round);
+    the output still has the target's exact distribution, and seeded runs replay."""
+    ort_session, prompt = small_vocab["model"]
+    session = Session(ort_session.bundle.path, backend="torch")
+    session.eos_token_ids = []
+    assert session.drafter.fused_with(session.target)
+    params = SETTINGS[setting]
+    exact = exact_first_two(ort_session, prompt, params)
+    syncs0, draft_syncs0 = session.target.stats.host_syncs, session.drafter.engine.stats.host_syncs
+    passes0 = session.target.stats.passes
+    counts = sampled_first_two(session, prompt, params, SAMPLES)
+    pvalue, cells = chi_square_pvalue(exact, counts, SAMPLES)
+    assert cells >= 5 and pvalue > ALPHA, f"chi-square p = {pvalue:.2e} over {cells} cells"
+    assert session.drafter.engine.stats.host_syncs == draft_syncs0  # draws stay on the device
+    # one sync per target pass (prefill chunk or a round's verify), none per draft step
+    assert session.target.stats.host_syncs - syncs0 == session.target.stats.passes - passes0
+    kw = dict(prompt_ids=prompt, max_new_tokens=3, draft_len=4, temperature=params.temperature, top_k=params.top_k,
+              top_p=params.top_p, seed=5)
+    assert session.generate(**kw).token_ids == session.generate(**kw).token_ids

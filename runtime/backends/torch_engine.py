@@ -63,6 +63,31 @@ class TorchEngineStats:
         return d
 
 
+def warp_torch(logits: torch.Tensor, params) -> torch.Tensor:
+    """sampling.warp on the device: logits [V] -> probs [V] float64 after temperature, top-k,
+    then top-p (same rules). The verifier receives these probabilities with the tokens drawn
+    from them, so the loop stays lossless whatever rounding separates them from the host's."""
+    z = logits.double() / params.temperature
+    if params.top_k and params.top_k < z.shape[-1]:
+        kth = torch.topk(z, params.top_k).values[-1]
+        z = torch.where(z < kth, float("-inf"), z)
+    probs = torch.softmax(z, dim=-1)
+    if params.top_p < 1.0:
+        sorted_probs, order = torch.sort(probs, descending=True, stable=True)
+        keep_sorted = (torch.cumsum(sorted_probs, -1) - sorted_probs) < params.top_p
+        keep = torch.zeros_like(keep_sorted).scatter_(0, order, keep_sorted)
+        probs = torch.where(keep, probs, 0.0)
+        probs = probs / probs.sum()
+    return probs
+
+
+def sample_torch(probs: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    """One draw from probs [V] by inverse CDF on the device -> int64 [1]; no host sync."""
+    cdf = torch.cumsum(probs, 0)
+    u = torch.rand(1, generator=gen, dtype=torch.float64, device=probs.device) * cdf[-1]
+    return torch.searchsorted(cdf, u, right=True).clamp_(max=probs.shape[0] - 1)
+
+
 def window_bucket(length: int, max_seq: int, min_window: int = 64) -> int:
     """The attention window a captured pass uses for `length` = start + T live slots.
 
@@ -213,11 +238,13 @@ class TorchEngine:
         fixed = self.buckets and t <= self.capture_max_t
         return window_bucket(start + t, self.max_seq, self.min_window) if fixed else start + t
 
-    def draft_chain(self, pending: np.ndarray, start: int, k: int) -> torch.Tensor:
-        """Greedy-draft k tokens without a host synchronisation: one pass over `pending` (the
-        tokens this cache has not seen, at positions start..), then k-1 single steps, each
-        fed the previous step's argmax on the device. Returns the k tokens, on the device
-        (valid until the next chain); the caller's verify pass brings them back."""
+    def draft_chain(self, pending: np.ndarray, start: int, k: int, params=None, seed: int | None = None):
+        """Draft k tokens without a host synchronisation: one pass over `pending` (the tokens
+        this cache has not seen, at positions start..), then k-1 single steps, each fed the
+        previous step's token on the device: its argmax (greedy), or under sampling a draw
+        from its warped distribution (`warp_torch`, a device generator seeded with `seed`).
+        Returns the k tokens on the device (valid until the next chain), and under sampling
+        also their distributions [k, V] float64; the caller's verify pass brings them back."""
         pending = np.asarray(pending, dtype=np.int64)
         check_pass(self.name, pending, start, self.max_seq, self.vocab_size)
         t = pending.shape[0]
@@ -227,6 +254,11 @@ class TorchEngine:
         self._stage_np[0] = start
         self._stage_np[1 : 1 + t] = pending
         out = self._chain_out
+        sampled = params is not None and not params.greedy
+        if sampled:
+            probs = torch.empty((k, self.vocab_size), dtype=torch.float64, device=self.device)
+            gen = torch.Generator(device=self.device)
+            gen.manual_seed(seed if seed is not None else 0)
         timing = self._chain_events is not None
         with torch.no_grad():
             if timing:
@@ -238,7 +270,11 @@ class TorchEngine:
                 logits = self._pass(t, self._window(t, pos)) if self.device.type == "cpu" else self._run(t, self._window(t, pos))
                 if self.device.type == "cpu":
                     self.stats.eager += 1
-                out[i : i + 1].copy_(logits[0, -1].argmax(-1, keepdim=True))
+                if sampled:
+                    probs[i] = warp_torch(logits[0, -1], params)
+                    out[i : i + 1].copy_(sample_torch(probs[i], gen))
+                else:
+                    out[i : i + 1].copy_(logits[0, -1].argmax(-1, keepdim=True))
                 if i + 1 < k:
                     self._io[:1].add_(t)  # the next write position, advanced on the device
                     self._io[1:2].copy_(out[i : i + 1])
@@ -247,7 +283,7 @@ class TorchEngine:
             if timing:
                 self._chain_events[1].record()
         self._chain_host_seconds = time.perf_counter() - t0
-        return out[:k]
+        return (out[:k], probs) if sampled else out[:k]
 
     def chain_seconds(self) -> float:
         """The last draft chain's duration: CUDA-event time on a GPU (read after the round's
@@ -256,10 +292,11 @@ class TorchEngine:
             return self._chain_host_seconds
         return self._chain_events[0].elapsed_time(self._chain_events[1]) / 1000
 
-    def verify_chain(self, last: int, drafts: torch.Tensor, start: int) -> tuple[np.ndarray, np.ndarray]:
+    def verify_chain(self, last: int, drafts: torch.Tensor, start: int, draft_probs: torch.Tensor | None = None):
         """The verify pass over [last, *drafts] at positions start.., the drafts read from
-        device memory. Returns (drafts, the target's argmax for each of the k+1 rows) on the
-        host, after the round's one synchronisation."""
+        device memory. Returns, on the host after the round's one synchronisation: greedy,
+        (drafts, the target's argmax for each of the k+1 rows); with `draft_probs` (a sampled
+        chain), (drafts, draft_probs [k, V], the target's logits [k+1, V])."""
         k = drafts.shape[0]
         t = k + 1
         check_pass(self.name, np.array([last], dtype=np.int64), start, self.max_seq - k, self.vocab_size)
@@ -276,11 +313,20 @@ class TorchEngine:
                 logits = self._run(t, self._window(t, start))
             self._result[:k].copy_(drafts)
             self._result[k : k + t].copy_(logits[0].argmax(-1))
-            if self.device.type != "cpu":
+            cuda = self.device.type != "cpu"
+            if cuda:
                 self._result_host[: k + t].copy_(self._result[: k + t], non_blocking=True)
+            if draft_probs is not None:  # distributions too: copied out before the one sync
+                host_probs = torch.empty(draft_probs.shape, dtype=draft_probs.dtype, pin_memory=cuda)
+                host_logits = torch.empty(logits[0].shape, dtype=torch.float32, pin_memory=cuda)
+                host_probs.copy_(draft_probs, non_blocking=cuda)
+                host_logits.copy_(logits[0], non_blocking=cuda)
+            if cuda:
                 torch.cuda.current_stream(self.device).synchronize()  # the one host sync of the round
             self.stats.host_syncs += 1
         host = self._result_host[: k + t].numpy()
+        if draft_probs is not None:
+            return host[:k].copy(), host_probs.numpy(), host_logits.numpy()
         return host[:k].copy(), host[k : k + t].copy()
 
     # -- the pass ---------------------------------------------------------------------------
