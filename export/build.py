@@ -22,7 +22,7 @@ from specdeploy.runtime.errors import ExportError
 
 from .graph import SpecGraph
 from .load import Source, eos_token_ids, load_source, same_tokenizer
-from .onnx_export import DTYPES, KV_DTYPES, PARITY_RTOL, check_parity, export_onnx, io_names
+from .onnx_export import DTYPES, KV_DTYPES, check_parity, export_onnx, io_names
 from .quantize import SCHEMES, quantize_model
 
 VERSION = "0.1.0"

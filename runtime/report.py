@@ -35,13 +35,22 @@ def describe(bundle: Bundle) -> str:
             f"{e['kv_dtype']}, written in place"
             + (f", sliding window {e['sliding_window']}" if e.get("sliding_window") else ""),
         ]
+        q = e.get("quantization")
+        if q:
+            tensors = ", ".join(f"{n} {k}" for k, n in q["tensors"].items())
+            lines.append(
+                f"            weights: {q['scheme']} blocks of {q['block_size']} (MatMulNBits, accuracy level "
+                f"{q['accuracy_level']}), head int{q['head_bits']}, embedding {q['embedding']}; {tensors} "
+                f"({q['imported_exactly']} imported exactly, {q['quantized_from_float']} quantized from float); "
+                "the parameter count above is the float ones"
+            )
         p = e.get("parity")
         if p:
             src = p.get("max_rel_diff_eager_vs_source")
             lines.append(
                 f"            parity: ONNX Runtime vs eager {p['max_rel_diff_ort_vs_eager']:.1e}"
                 + (f", eager vs source {src:.1e}" if src is not None else "")
-                + f" (bound {p['bound']:.0e}, relative to the largest logit)"
+                + f" (bound {p['bound']:.2g}, relative to the largest logit)"
             )
         lines.append(f"            source: {e['source']}")
     tok = m["tokenizer"]
