@@ -151,6 +151,7 @@ class TorchEngine:
         self._chain_out = torch.zeros(max_seq, dtype=torch.int64, device=self.device)
         self._chain_events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) if cuda else None
         self._chain_host_seconds = 0.0
+        self._host_buffers: dict = {}
         self._result = torch.zeros(2 * max_seq + 1, dtype=torch.int64, device=self.device)
         self._result_host = torch.zeros(2 * max_seq + 1, dtype=torch.int64, pin_memory=cuda) if cuda else self._result
 
@@ -285,6 +286,13 @@ class TorchEngine:
         self._chain_host_seconds = time.perf_counter() - t0
         return (out[:k], probs) if sampled else out[:k]
 
+    def _pinned(self, key, shape, dtype) -> torch.Tensor:
+        """A host buffer per (kind, size), pinned on a GPU, allocated once."""
+        buf = self._host_buffers.get(key)
+        if buf is None:
+            buf = self._host_buffers[key] = torch.empty(shape, dtype=dtype, pin_memory=self.device.type == "cuda")
+        return buf
+
     def chain_seconds(self) -> float:
         """The last draft chain's duration: CUDA-event time on a GPU (read after the round's
         synchronisation), wall clock on a CPU (where every op completes before returning)."""
@@ -317,8 +325,8 @@ class TorchEngine:
             if cuda:
                 self._result_host[: k + t].copy_(self._result[: k + t], non_blocking=True)
             if draft_probs is not None:  # distributions too: copied out before the one sync
-                host_probs = torch.empty(draft_probs.shape, dtype=draft_probs.dtype, pin_memory=cuda)
-                host_logits = torch.empty(logits[0].shape, dtype=torch.float32, pin_memory=cuda)
+                host_probs = self._pinned(("probs", k), draft_probs.shape, draft_probs.dtype)
+                host_logits = self._pinned(("logits", t), logits[0].shape, torch.float32)
                 host_probs.copy_(draft_probs, non_blocking=cuda)
                 host_logits.copy_(logits[0], non_blocking=cuda)
             if cuda:
