@@ -197,3 +197,16 @@ def test_int4_verify_rows_equal_single_steps(quant_bundles):
         multi = engine.forward(ids[start : start + 9], start).copy()
         single = np.stack([engine.forward(ids[start + i : start + i + 1], start + i)[0].copy() for i in range(9)])
         assert np.array_equal(multi, single)
+
+
+def test_a_width_that_blocks_cannot_tile_is_a_one_line_error(tmp_path):
+    import tiny
+
+    from specdeploy.export import build_bundle
+    from specdeploy.runtime.errors import ExportError
+
+    tiny.make_model(tmp_path / "m", "llama", seed=0, layers=1, hidden_size=48, num_attention_heads=4,
+                    num_key_value_heads=2)
+    with pytest.raises(ExportError, match=r"input dimension 48 is not a multiple of the 32-weight block"):
+        build_bundle(tmp_path / "m", "none", tmp_path / "b", max_seq=32, dtype="int4")
+    assert not (tmp_path / "b").exists()
