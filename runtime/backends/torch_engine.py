@@ -204,15 +204,13 @@ class TorchEngine:
         t = token_ids.shape[0]
         self._stage_np[0] = start
         self._stage_np[1 : 1 + t] = token_ids
-        fixed = self.buckets and t <= self.capture_max_t
-        window = window_bucket(start + t, self.max_seq, self.min_window) if fixed else start + t
+        window = self._window(t, start)
         self.stats.passes += 1
         with torch.no_grad():
             if self.device.type == "cpu":
-                self.stats.eager += 1
                 self.stats.host_syncs += 1
-                return self._pass(t, window)[0].numpy()
-            self._io[: t + 1].copy_(self._stage[: t + 1], non_blocking=True)
+                return self._run(t, window)[0].numpy()
+            self._upload(t + 1)
             timing = self.time_device and self._events is not None
             if timing:
                 self._events[0].record()
@@ -229,7 +227,7 @@ class TorchEngine:
                 self.stats.device_seconds += self._events[0].elapsed_time(self._events[1]) / 1000
             return host.numpy()
 
-    # -- a greedy round with one host synchronisation ---------------------------------------
+    # -- a round with one host synchronisation ----------------------------------------------
     def _upload(self, n: int) -> None:
         """The first n staged values (write position, ids) to the device, asynchronously."""
         if self.device.type != "cpu":
@@ -268,9 +266,7 @@ class TorchEngine:
             pos = start
             for i in range(k):
                 self.stats.passes += 1
-                logits = self._pass(t, self._window(t, pos)) if self.device.type == "cpu" else self._run(t, self._window(t, pos))
-                if self.device.type == "cpu":
-                    self.stats.eager += 1
+                logits = self._run(t, self._window(t, pos))
                 if sampled:
                     probs[i] = warp_torch(logits[0, -1], params)
                     out[i : i + 1].copy_(sample_torch(probs[i], gen))
@@ -314,11 +310,7 @@ class TorchEngine:
             self._upload(2)
             self._io[2 : 2 + k].copy_(drafts)
             self.stats.passes += 1
-            if self.device.type == "cpu":
-                self.stats.eager += 1
-                logits = self._pass(t, self._window(t, start))
-            else:
-                logits = self._run(t, self._window(t, start))
+            logits = self._run(t, self._window(t, start))
             self._result[:k].copy_(drafts)
             self._result[k : k + t].copy_(logits[0].argmax(-1))
             cuda = self.device.type != "cpu"
