@@ -12,7 +12,10 @@
 4. tokens: greedy plain decoding on TensorRT == on ONNX Runtime (strict for fp32 bundles,
    reported for fp16), and speculative decoding on TensorRT == plain on TensorRT, token for
    token (lossless: strict).
-5. latency: wall time per forward (inputs up, pass, logits down, the one sync), T = 1 and
+5. syncs (model drafts): a greedy speculative decode over engines built with the argmax output
+   synchronises the host once per prefill pass and once per round (plus one per leading chunk
+   of the draft's first catch-up on a prompt longer than every profile), counted by the engines.
+6. latency: wall time per forward (inputs up, pass, logits down, the one sync), T = 1 and
    T = k+1 at a context of --context tokens, eager enqueue vs CUDA graph replay, per model.
 
 Prints markdown tables and exits 1 if a check fails.
@@ -98,6 +101,15 @@ def main() -> int:
         if result["equal"] < result["prompts"] and result["strict"]:
             failures.append(name)
 
+    if bundle.draft_kind in ("model", "self"):
+        syncs = _round_syncs(bundle, args)
+        report["checks"]["round_syncs"] = syncs
+        print(f"\n## host synchronisations over a greedy speculative decode (k={syncs['k']})\n")
+        print(f"- fused rounds offered: {syncs['fused']}; counted {syncs['counted']}, expected {syncs['expected']} "
+              f"= {syncs['prefill_passes']} prefill + {syncs['rounds']} rounds + {syncs['catch_up_chunks']} catch-up chunks")
+        if not syncs["fused"] or syncs["counted"] != syncs["expected"]:
+            failures.append("one sync per round")
+
     print(f"\n## latency per forward at context {args.context} (ms, median of {args.repeats}; wall: inputs up, pass, "
           "logits down, sync)\n")
     print("| model | T | eager enqueue | graph replay | replay / eager |")
@@ -141,13 +153,34 @@ def _parity(bundle, role, args) -> dict:
             "rows": rows, "graphs": trt_engine.stats}
 
 
-def _decode(target, drafter, ids, k, args, bundle):
+def _decode(target, drafter, ids, k, args, bundle, stats=None):
     from specdeploy.runtime.loop import DraftLength, Stats, decode
     from specdeploy.runtime.sampling import SamplingParams
 
     out = decode(target, drafter, ids, args.max_new_tokens, DraftLength(bundle.max_draft, fixed=k), [],
-                 bundle.prefill_chunk, SamplingParams(), Stats())
+                 bundle.prefill_chunk, SamplingParams(), Stats() if stats is None else stats)
     return np.concatenate(list(out))
+
+
+def _round_syncs(bundle, args) -> dict:
+    from specdeploy.runtime.drafters import ModelDrafter
+    from specdeploy.runtime.loop import Stats
+    from specdeploy.runtime.tokenizer import Tokenizer
+
+    tok = Tokenizer(bundle.file(bundle.tokenizer["file"]), bundle.tokenizer)
+    prompt = next(p for p in Path(args.prompts).read_text().splitlines() if p.strip())
+    ids = np.asarray(tok.encode_chat(prompt), dtype=np.int64)
+    target, drafter, k = _engines(bundle, "target")[0], ModelDrafter(_engines(bundle, "draft")[0]), min(4, bundle.max_draft)
+    _decode(target, drafter, ids, k, args, bundle)  # CUDA graphs are captured here, outside the count
+    before, stats = target.host_syncs + drafter.engine.host_syncs, Stats()
+    _decode(target, drafter, ids, k, args, bundle, stats)
+    row = {
+        "k": k, "fused": drafter.fused_with(target), "counted": target.host_syncs + drafter.engine.host_syncs - before,
+        "prefill_passes": -(-(ids.shape[0] - 1) // bundle.prefill_chunk), "rounds": stats.target_passes,
+        "catch_up_chunks": (ids.shape[0] - 1) // drafter.engine.t_max,  # the first round's pending text is the prompt
+    }
+    row["expected"] = row["prefill_passes"] + row["rounds"] + row["catch_up_chunks"]
+    return row
 
 
 def _tokens(bundle, args) -> dict:

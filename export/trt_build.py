@@ -1,7 +1,8 @@
 """Bundle ONNX -> TensorRT engines: one `<role>.plan` per model, recorded in the manifest.
 
-    static op check -> OnnxParser -> strongly typed network -> optimization profiles over T
-    -> workspace limit -> timing cache (beside the bundle) -> serialized plan -> manifest
+    static op check -> OnnxParser -> strongly typed network -> argmax output -> optimization
+    profiles over T -> workspace limit -> timing cache (beside the bundle) -> serialized plan
+    -> manifest
 
 Written against the documented TensorRT Python API (10.15+, 11.x) and not run in this
 project's CI (no TensorRT, no GPU here). The pure parts, which profiles a manifest asks for
@@ -17,7 +18,9 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from specdeploy.runtime.backends.trt_layout import Profile, profiles_for
+import numpy as np
+
+from specdeploy.runtime.backends.trt_layout import ARGMAX, Profile, profiles_for
 from specdeploy.runtime.bundle import MANIFEST, load_bundle, sha256_file
 from specdeploy.runtime.errors import ExportError, InputError
 
@@ -93,6 +96,40 @@ def _parse(trt, builder, logger, onnx_path: Path):
     return network, parser
 
 
+def add_argmax_output(trt, network, vocab_size: int) -> list[np.ndarray]:
+    """Mark ARGMAX, each logits row's argmax [1, T, 1] in the dtype of input_ids, as an extra
+    output: what lets a draft step feed the next one, and a verify pass report its tokens,
+    without the logits leaving the device (TrtEngine.draft_chain / verify_chain).
+
+    The first index of the maximum, as numpy's argmax on the host: min over {j : logits[j] ==
+    max}. TopK (k = 1) documents no order among equal values, and a tie broken otherwise would
+    make a fused round's token differ from the per-pass round's (fp16 logits do tie). The
+    layers, per TensorRT's operator pages (10.x): Reduce MAX/MIN with keep_dims over an axes
+    bitmask (int64 included), ElementWise EQUAL (float in, bool out, size-1 axes broadcast),
+    Select on a bool condition (int64 branches, broadcast), Constant weights of int64.
+
+    Returns the constants' arrays, to keep until the build: "The weights are held by reference
+    until the engine has been built" (nvinfer1::Weights, NvInferRuntime.h, 10.15).
+    """
+    outputs = {network.get_output(i).name: network.get_output(i) for i in range(network.num_outputs)}
+    inputs = {network.get_input(i).name: network.get_input(i) for i in range(network.num_inputs)}
+    logits, ids_dtype = outputs["logits"], inputs["input_ids"].dtype
+    last_axis = 1 << (len(logits.shape) - 1)  # logits [1, T, V]
+    index = np.arange(vocab_size, dtype=trt.nptype(ids_dtype)).reshape(1, 1, vocab_size)
+    past_end = np.full((1, 1, 1), vocab_size, dtype=index.dtype)  # never the minimum when a row has a maximum
+    best = network.add_reduce(logits, trt.ReduceOperation.MAX, last_axis, True).get_output(0)
+    is_best = network.add_elementwise(logits, best, trt.ElementWiseOperation.EQUAL).get_output(0)
+    candidates = network.add_select(
+        is_best,
+        network.add_constant(index.shape, trt.Weights(index)).get_output(0),
+        network.add_constant(past_end.shape, trt.Weights(past_end)).get_output(0),
+    ).get_output(0)
+    first = network.add_reduce(candidates, trt.ReduceOperation.MIN, last_axis, True).get_output(0)
+    first.name = ARGMAX
+    network.mark_output(first)
+    return [index, past_end]
+
+
 def _use_timing_cache(config, cache, path: Path, log: Callable[[str], None]):
     """Set the timing cache on `config`: the one given, else the file at `path`, else a new one.
 
@@ -140,6 +177,7 @@ def build_engines(
     logger = trt.Logger(trt.Logger.WARNING)
     builder = trt.Builder(logger)
     cache = None
+    constants: list[np.ndarray] = []  # weights TensorRT reads when it builds, kept until then
     for role in roles:
         entry = manifest["models"].get(role)
         if entry is None:
@@ -148,6 +186,7 @@ def build_engines(
         t0 = time.perf_counter()
         log(f"  {role}: parsing {onnx_path.name} (dtype {entry['dtype']}; the engine keeps the ONNX's types)")
         network, _parser = _parse(trt, builder, logger, onnx_path)
+        constants += add_argmax_output(trt, network, entry["vocab_size"])
         config = builder.create_builder_config()
         workspace = int(workspace_gb * (1 << 30))
         config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, workspace)
@@ -174,6 +213,7 @@ def build_engines(
             "gpu_name": gpu_name,
             "compute_capability": cc,
             "strongly_typed": True,
+            "argmax_output": ARGMAX,  # engines without it run every round pass by pass
             "tf32": tf32,  # whether fp32 tensors may use TF32 math
             "workspace_bytes": workspace,
             "profiles": [p.as_dict() for p in profiles],
@@ -209,4 +249,4 @@ def _write_atomic(path: Path, data) -> None:
     os.replace(tmp, path)
 
 
-__all__ = ["MIN_TENSORRT", "build_engines", "build_profiles", "default_timing_cache", "plan_file", "profile_shapes"]
+__all__ = ["MIN_TENSORRT", "add_argmax_output", "build_engines", "build_profiles", "default_timing_cache", "plan_file", "profile_shapes"]

@@ -102,7 +102,7 @@ def speculative_round(
     """One round: draft up to k, verify k'+1 in one target pass, accept, correct or bonus.
     Returns the tokens it commits (1..k'+1). With k = 0 it is one plain decoding step."""
     if k > 0 and getattr(drafter, "fused_with", None) and drafter.fused_with(target):
-        # Draft and verify on the device, one host synchronisation (the torch backend).
+        # Draft and verify on the device, one host synchronisation (torch; TensorRT when greedy).
         draft_tokens, draft_probs, target_out, verify_seconds = drafter.propose_and_verify(target, ids, k, params, rng)
         stats.verify_seconds += verify_seconds
         stats.target_passes += 1
@@ -146,8 +146,8 @@ def decode(
     The caller has checked that prompt + max_new_tokens fits the bundle's max sequence.
     Host synchronisation: each engine pass returns its logits to the host once, so a round
     is one for the verify pass plus one per draft step (the drafter picks each token on the
-    host), except a round over engines that chain the draft on the device (the torch
-    backend with a model draft): one per round.
+    host), except a round over engines that chain the draft on the device (a model draft on
+    the torch backend, or greedy on TensorRT engines with the argmax output): one per round.
     """
     t_start = time.perf_counter()
     rng = np.random.default_rng(params.seed)

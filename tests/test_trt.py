@@ -7,6 +7,10 @@
   whose "kernel" is ONNX Runtime on the same graph: the host side (staging, one copy each
   way, one synchronisation, addresses set once, KV aliased in place, graph replay) must give
   ONNX Runtime's logits and the same greedy tokens through the unchanged speculative loop;
+- the fused greedy round (the build's argmax output, device-to-device token copies, one
+  staging slot per draft step, the target's stream waiting on the draft's event): the
+  per-pass tokens, one synchronisation per round, only tokens coming down; engines built
+  without the output, and sampled rounds, keep the per-pass round and its output;
 - with real TensorRT and a GPU (skipped here, with the reason): the same on a real engine.
 """
 from __future__ import annotations
@@ -15,6 +19,7 @@ import ctypes
 import itertools
 import json
 import shutil
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -317,21 +322,37 @@ class FakeStream:
         for op in ops:
             op()
 
+    def flush_until(self, op):
+        """Run this stream's work up to and including `op` (another stream waits on it)."""
+        if op in self.pending:
+            i = self.pending.index(op)
+            ops, self.pending = self.pending[: i + 1], self.pending[i + 1 :]
+            for o in ops:
+                o()
+
+
+class FakeEvent:
+    def __init__(self):
+        self.stream = self.op = self.time = None
+
 
 class FakeCudart:
     """Device memory is host memory (so numpy can look at it); work queued on a stream runs
-    only at cudaStreamSynchronize, so a missing synchronisation shows as stale logits."""
+    only at cudaStreamSynchronize, or when a stream that waits on one of its events runs, so a
+    missing synchronisation or wait shows as stale logits or tokens."""
 
     cudaStreamNonBlocking = 1
     cudaError_t = SimpleNamespace(cudaSuccess=0)
-    cudaMemcpyKind = SimpleNamespace(cudaMemcpyHostToDevice="H2D", cudaMemcpyDeviceToHost="D2H")
+    cudaMemcpyKind = SimpleNamespace(cudaMemcpyHostToDevice="H2D", cudaMemcpyDeviceToHost="D2H", cudaMemcpyDeviceToDevice="D2D")
     cudaStreamCaptureMode = SimpleNamespace(cudaStreamCaptureModeGlobal="global")
+    _COPY = {"H2D": ("host", "device"), "D2H": ("device", "host"), "D2D": ("device", "device")}  # (source, destination)
 
     def __init__(self, fail_capture=False):
         self.fail_capture = fail_capture
         self.memory = {}  # address -> (array kept alive, nbytes, "device" | "host")
         self.streams = {}
         self.syncs = self.launches = 0
+        self.copied = {"H2D": 0, "D2H": 0, "D2D": 0}  # bytes enqueued, per kind
 
     def _alloc(self, nbytes, kind):
         raw = np.zeros(nbytes + 2 * ALIGNMENT, np.uint8)
@@ -378,10 +399,35 @@ class FakeCudart:
         return (0,)
 
     def cudaMemcpyAsync(self, dst, src, nbytes, kind, stream):
-        self.check(dst, nbytes, "device" if kind == "H2D" else "host")
-        self.check(src, nbytes, "host" if kind == "H2D" else "device")
+        source, destination = self._COPY[kind]
+        self.check(dst, nbytes, destination)
+        self.check(src, nbytes, source)
+        self.copied[kind] += nbytes
         stream.enqueue(lambda: ctypes.memmove(dst, src, nbytes))
         return (0,)
+
+    def cudaEventCreate(self):
+        return (0, FakeEvent())
+
+    def cudaEventRecord(self, event, stream):
+        assert stream.capture is None, "recording an event on a capturing stream"
+
+        def record():
+            event.time = time.perf_counter()
+
+        event.stream, event.op, event.time = stream, record, None
+        stream.enqueue(record)
+        return (0,)
+
+    def cudaStreamWaitEvent(self, stream, event, flags):
+        source, op = event.stream, event.op  # the event's latest record, as at the call
+        stream.enqueue(lambda: source.flush_until(op))
+        return (0,)
+
+    def cudaEventElapsedTime(self, start, end):
+        if start.time is None or end.time is None:
+            return (600, None)  # cudaErrorNotReady
+        return (0, (end.time - start.time) * 1e3)
 
     def cudaStreamSynchronize(self, stream):
         assert stream.capture is None, "synchronising a capturing stream"
@@ -409,7 +455,7 @@ class FakeCudart:
     def _ok(self, *args):
         return (0,)
 
-    cudaGraphDestroy = cudaGraphExecDestroy = cudaFree = cudaFreeHost = cudaStreamDestroy = _ok
+    cudaGraphDestroy = cudaGraphExecDestroy = cudaFree = cudaFreeHost = cudaStreamDestroy = cudaEventDestroy = _ok
 
 
 _ORT_TYPES = {"tensor(int64)": np.int64, "tensor(float)": np.float32, "tensor(float16)": np.float16}
@@ -432,6 +478,11 @@ class FakeEngine:
         self.inputs = {v.name for v in self.session.get_inputs()}
         self.dtypes = {v.name: np.dtype(_ORT_TYPES[v.type]) for v in io}
         self.shapes = {v.name: tuple(d if isinstance(d, int) else -1 for d in v.shape) for v in io}
+        # Outputs the build added to the parsed network, computed by its recorded layers.
+        self.added = {t.name: t for t in trt.networks[plan["network"]].marked} if "network" in plan else {}
+        for name, tensor in self.added.items():
+            self.names.append(name)
+            self.dtypes[name], self.shapes[name] = tensor.dtype, tensor.shape
         graph = onnx.load(plan["onnx"], load_external_data=False).graph
         # What TensorRT derives from the KV-cache update layers: output -> the input it aliases.
         self.aliases = {n.output[0]: n.input[0] for n in graph.node if n.op_type == "TensorScatter"}
@@ -464,9 +515,11 @@ class FakeEngine:
         for name in self.inputs:
             shape = shapes.get(name, self.shapes[name])
             feeds[name] = cuda.view(addresses[name], self.dtypes[name], shape).copy()
-        outputs = self.session.run(None, feeds)
-        for v, value in zip(self.session.get_outputs(), outputs):
-            cuda.view(addresses[v.name], self.dtypes[v.name], value.shape)[...] = value
+        outputs = dict(zip([v.name for v in self.session.get_outputs()], self.session.run(None, feeds)))
+        outputs.update({name: tensor.fn({**feeds, **outputs}) for name, tensor in self.added.items()})
+        for name, value in outputs.items():
+            assert value.dtype == self.dtypes[name], (name, value.dtype)
+            cuda.view(addresses[name], self.dtypes[name], value.shape)[...] = value
 
 
 class FakeContext:
@@ -502,6 +555,75 @@ class FakeContext:
         return True
 
 
+class FakeTensor:
+    """An ITensor of the fake network: name, shape, numpy dtype, and how to compute it from the
+    engine's named inputs and ONNX outputs (`env`)."""
+
+    def __init__(self, name, shape, dtype, fn):
+        self.name, self.shape, self.dtype, self.fn = name, tuple(shape), np.dtype(dtype), fn
+
+
+def _layer(tensor):
+    return SimpleNamespace(get_output=lambda i: tensor)
+
+
+class FakeNetwork:
+    """The INetworkDefinition calls the build makes after parsing: the parsed graph's I/O as
+    tensors, and the layers it adds, recorded with their documented meaning (and the documented
+    rank and dtype rules asserted), so the fake engine computes an added output as built."""
+
+    def __init__(self, flags):
+        self.flags, self.onnx, self.marked = flags, None, []
+
+    def _io(self, which):
+        import onnx
+        from onnx.helper import tensor_dtype_to_np_dtype
+
+        graph = onnx.load(self.onnx, load_external_data=False).graph
+        return [
+            FakeTensor(v.name, [d.dim_value or -1 for d in v.type.tensor_type.shape.dim],
+                       tensor_dtype_to_np_dtype(v.type.tensor_type.elem_type), lambda env, n=v.name: env[n])
+            for v in getattr(graph, which)
+        ]
+
+    num_inputs = property(lambda self: len(self._io("input")))
+    num_outputs = property(lambda self: len(self._io("output")))
+
+    def get_input(self, i):
+        return self._io("input")[i]
+
+    def get_output(self, i):
+        return self._io("output")[i]
+
+    @staticmethod
+    def _axes(bitmask, rank):
+        return tuple(a for a in range(rank) if bitmask >> a & 1)
+
+    def add_reduce(self, x, op, axes, keep_dims):
+        reduce = {"MAX": np.max, "MIN": np.min}[op]
+        axis = self._axes(axes, len(x.shape))
+        shape = [1 if a in axis else d for a, d in enumerate(x.shape)]
+        return _layer(FakeTensor("", shape, x.dtype, lambda env: reduce(x.fn(env), axis=axis, keepdims=keep_dims)))
+
+    def add_elementwise(self, a, b, op):
+        assert op == "EQUAL" and len(a.shape) == len(b.shape) and a.dtype == b.dtype and a.dtype.kind == "f"
+        return _layer(FakeTensor("", a.shape, bool, lambda env: a.fn(env) == b.fn(env)))
+
+    def add_constant(self, shape, weights):
+        value = np.asarray(weights).reshape(shape)
+        return _layer(FakeTensor("", shape, value.dtype, lambda env: value))
+
+    def add_select(self, condition, then, otherwise):
+        assert condition.dtype == bool and then.dtype == otherwise.dtype
+        assert len(condition.shape) == len(then.shape) == len(otherwise.shape)
+        return _layer(FakeTensor("", condition.shape, then.dtype,
+                                 lambda env: np.where(condition.fn(env), then.fn(env), otherwise.fn(env))))
+
+    def mark_output(self, tensor):
+        assert tensor.name, "an output needs a name"
+        self.marked.append(tensor)
+
+
 class FakeTensorRT:
     """The module-level names of `tensorrt` the backend and the build use."""
 
@@ -511,10 +633,14 @@ class FakeTensorRT:
     NetworkDefinitionCreationFlag = SimpleNamespace(STRONGLY_TYPED=0)
     BuilderFlag = SimpleNamespace(TF32="TF32")
     MemoryPoolType = SimpleNamespace(WORKSPACE="WORKSPACE")
+    ReduceOperation = SimpleNamespace(MAX="MAX", MIN="MIN")
+    ElementWiseOperation = SimpleNamespace(EQUAL="EQUAL")
+    Weights = staticmethod(np.asarray)
 
     def __init__(self, cudart=None):
         self.cudart = cudart
         self.built = []  # (network flags, workspace, profiles, timing cache bytes) per build
+        self.networks = []  # every network built, in order; a plan names its own
 
     @staticmethod
     def nptype(dtype):
@@ -528,7 +654,7 @@ class FakeTensorRT:
 
         class Builder:
             def create_network(self, flags):
-                return SimpleNamespace(flags=flags, onnx=None)
+                return FakeNetwork(flags)
 
             def create_builder_config(self):
                 return FakeConfig()
@@ -538,7 +664,9 @@ class FakeTensorRT:
 
             def build_serialized_network(self, network, config):
                 fake.built.append((network.flags, config.workspace, config.profiles, config.cache.data, config.cleared))
-                return json.dumps({"onnx": network.onnx, "profiles": config.profiles}).encode()
+                fake.networks.append(network)
+                plan = {"onnx": network.onnx, "profiles": config.profiles, "network": len(fake.networks) - 1}
+                return json.dumps(plan).encode()
 
         return Builder()
 
@@ -602,6 +730,7 @@ def test_build_engines_records_plans_profiles_and_gpu_in_the_manifest(built, tmp
         assert entry["plan"] == f"{role}.plan" and f"{role}.plan" in manifest["files"]
         assert (entry["tensorrt_version"], entry["gpu_name"], entry["compute_capability"]) == ("10.15.1.29", "Fake GPU", "9.0")
         assert entry["profiles"] == profiles and entry["onnx_sha256"] == manifest["files"][f"{role}.onnx"]
+        assert entry["argmax_output"] == "next_tokens"
     flags, workspace, built_profiles, cache_in, cleared = trt.built[0]
     assert flags == 1 << 0 and workspace == 1 << 29  # STRONGLY_TYPED; 0.5 GiB
     assert cleared == {"TF32"} and manifest["models"]["target"]["trt"]["tf32"] is False  # fp32 bundle: fp32 math
@@ -611,6 +740,22 @@ def test_build_engines_records_plans_profiles_and_gpu_in_the_manifest(built, tmp
     build_engines(bundle_dir, timing_cache=tmp_path / "timing.cache", modules=(trt, cudart))
     assert trt.built[-1][3] == b"timing cache after "  # loaded when present
     assert default_timing_cache(bundle_dir) == tmp_path / "bundle.trt-timing.cache"
+
+
+def test_the_argmax_output_is_the_first_index_of_the_maximum(built):
+    """The layers the build adds give numpy's argmax, ties to the lowest index: the token the
+    per-pass round picks on the host, so a fused round never parts from it at a tie."""
+    bundle_dir, (trt, _) = built
+    vocab = load_bundle(bundle_dir).model("target").vocab_size
+    (argmax,) = trt.networks[0].marked
+    assert (argmax.name, argmax.dtype, argmax.shape[-1]) == ("next_tokens", np.dtype(np.int64), 1)
+    logits = np.random.default_rng(5).standard_normal((1, 4, vocab)).astype(np.float32)
+    logits[0, 0, [3, 7]] = 9.0  # a tie
+    logits[0, 1] = 0.5  # a row of equal values
+    logits[0, 2, :-1], logits[0, 2, -1] = -np.inf, -1.0  # the maximum in the last column
+    got = argmax.fn({"logits": logits})
+    assert got.shape == (1, 4, 1) and np.array_equal(got[..., 0], logits.argmax(-1))
+    assert got[0, :3, 0].tolist() == [3, 0, vocab - 1]
 
 
 def _schedule():
@@ -669,12 +814,13 @@ def test_speculative_decoding_on_the_trt_backend_is_the_same_loop_and_lossless(b
     assert target.stats["replayed"] > 0 and drafter.engine.stats["replayed"] > 0
 
 
-def _assert_lossless(bundle_dir, modules, against_ort: bool):
+def _decoder(bundle_dir, modules):
+    """(bundle, tokenizer, TRT target, ModelDrafter over the TRT draft, ORT target, run) where
+    run(target, drafter, ids, k, params) -> (tokens, Stats); k an int or "auto"."""
     from specdeploy.runtime.drafters import ModelDrafter
     from specdeploy.runtime.loop import DraftLength, Stats, decode
     from specdeploy.runtime.sampling import SamplingParams
     from specdeploy.runtime.tokenizer import Tokenizer
-    from tiny import PROMPTS
 
     bundle = load_bundle(bundle_dir)
     tok = Tokenizer(bundle.file(bundle.tokenizer["file"]), bundle.tokenizer)
@@ -682,19 +828,163 @@ def _assert_lossless(bundle_dir, modules, against_ort: bool):
     drafter = ModelDrafter(TrtEngine.from_bundle(bundle, bundle.model("draft"), modules=modules, length_bucket=16))
     reference = OrtEngine(bundle.file("target.onnx"), bundle.model("target"), bundle.max_seq)
 
-    def run(engine, drafter, ids, k):
-        out = decode(engine, drafter, ids, 24, DraftLength(8, fixed=k), [], bundle.prefill_chunk, SamplingParams(), Stats())
-        return np.concatenate(list(out))
+    def run(engine, drafter, ids, k, params=SamplingParams()):
+        length = DraftLength(bundle.max_draft, fixed=None if k == "auto" else k)
+        stats = Stats()
+        out = decode(engine, drafter, ids, 24, length, [], bundle.prefill_chunk, params, stats)
+        return np.concatenate(list(out)), stats
 
+    return bundle, tok, target, drafter, reference, run
+
+
+def _assert_lossless(bundle_dir, modules, against_ort: bool):
+    from tiny import PROMPTS
+
+    bundle, tok, target, drafter, reference, run = _decoder(bundle_dir, modules)
+    assert drafter.fused_with(target)  # both engines carry the argmax output: greedy rounds run fused
     for prompt in (PROMPTS[10], PROMPTS[16]):  # longer than every profile: the drafter's catch-up is chunked
         ids = np.asarray(tok.encode(prompt), dtype=np.int64)
         assert ids.shape[0] > max(p.t_max for p in target.profiles)
-        plain = run(target, None, ids, 0)
-        for k in (1, 4, 8):
-            assert np.array_equal(run(target, drafter, ids, k), plain), (prompt, k)
+        plain, _ = run(target, None, ids, 0)
+        for k in (1, 3, 4, 8, "auto"):
+            fused = target.stats["fused"]
+            assert np.array_equal(run(target, drafter, ids, k)[0], plain), (prompt, k)
+            assert target.stats["fused"] > fused, (prompt, k)
         if against_ort:  # the fake's kernel is ONNX Runtime: the same tokens, exactly
-            assert np.array_equal(run(reference, None, ids, 0), plain)
+            assert np.array_equal(run(reference, None, ids, 0)[0], plain)
     return target, drafter
+
+
+def test_a_fused_round_gives_the_per_pass_tokens_with_one_sync_and_only_tokens_down(built):
+    """draft_chain + verify_chain, round after round, against the same passes on ONNX Runtime
+    run one by one: the same k draft tokens and k+1 target argmaxes; one synchronisation per
+    round (plus one per leading chunk of a pending text longer than every profile); the draft
+    never synchronises; only 2k+1 token ids come down, never logits."""
+    from specdeploy.runtime.sampling import accept_greedy
+
+    bundle_dir, modules = built
+    cudart = modules[1]
+    bundle, _, target, drafter, ref_target, _ = _decoder(bundle_dir, modules)
+    draft = drafter.engine
+    ref_draft = OrtEngine(bundle.file("draft.onnx"), bundle.model("draft"), bundle.max_seq)
+    ids = list(np.random.default_rng(4).integers(0, target.vocab_size, size=20))
+    for engine in (target, ref_target):
+        engine.forward(np.array(ids[:16]), 0)
+        engine.forward(np.array(ids[16:19]), 16)
+    fed = 0  # tokens the draft's cache holds, all equal to ids[:fed]
+    for k in (3, 1, 8, 2, 5, 8):
+        n, pending = len(ids), np.array(ids[fed:])
+        want_drafts, pos = [], n
+        logits = ref_draft.forward(pending, fed)
+        for _ in range(k):
+            want_drafts.append(int(logits[-1].argmax()))
+            logits, pos = ref_draft.forward(np.array(want_drafts[-1:]), pos), pos + 1
+        want_target = ref_target.forward(np.array([ids[-1], *want_drafts]), n - 1).argmax(-1)
+        syncs, down, draft_syncs = cudart.syncs, cudart.copied["D2H"], draft.host_syncs
+        lead = (len(pending) - 1) // draft.t_max  # plain passes before the chain (the first round here)
+        chain = draft.draft_chain(pending, fed, k)
+        assert cudart.syncs - syncs == lead and draft.host_syncs - draft_syncs == lead  # nothing waited on
+        drafts, target_argmax = target.verify_chain(ids[-1], chain, n - 1)
+        assert drafts.tolist() == want_drafts and target_argmax.tolist() == want_target.tolist(), k
+        assert cudart.syncs - syncs == 1 + lead
+        assert cudart.copied["D2H"] - down == (2 * k + 1) * 8 + lead * draft.t_max * draft.vocab_size * 4
+        assert draft.chain_seconds() > 0
+        accepted, token = accept_greedy(drafts, target_argmax)
+        fed = n + min(accepted, k - 1)  # the chain fed pending and every draft but the last
+        ids += [*drafts[:accepted].tolist(), token]
+    assert target.stats["fused"] == 6 == draft.stats["fused"]
+
+
+def test_greedy_decoding_over_trt_engines_synchronises_once_per_round(built):
+    """The loop as it stands: fused greedy rounds give ONNX Runtime's plain output token for
+    token, at k = 1, 3 and the adaptive length, and the host synchronises once per prefill
+    pass and once per round, counted by the fake CUDA runtime and by the engines."""
+    from tiny import PROMPTS
+
+    bundle_dir, modules = built
+    cudart = modules[1]
+    bundle, tok, target, drafter, reference, run = _decoder(bundle_dir, modules)
+    for prompt in PROMPTS[:4]:
+        ids = np.asarray(tok.encode(prompt), dtype=np.int64)
+        assert ids.shape[0] <= target.t_max  # the first round's pending text opens the chain at once
+        want, _ = run(reference, None, ids, 0)
+        for k in (1, 3, "auto"):
+            syncs, engine_syncs = cudart.syncs, target.host_syncs + drafter.engine.host_syncs
+            got, stats = run(target, drafter, ids, k)
+            assert np.array_equal(got, want), (prompt, k)
+            prefill = -(-(ids.shape[0] - 1) // bundle.prefill_chunk)
+            rounds = stats.target_passes
+            assert cudart.syncs - syncs == prefill + rounds == target.host_syncs + drafter.engine.host_syncs - engine_syncs
+            assert stats.drafted > 0
+
+
+def _strip_argmax(bundle_dir: Path, roles, record: bool = False) -> None:
+    """Make the engines of `roles` look built before the argmax output existed: the plan without
+    it and (unless `record`) the manifest without its record; checksums updated."""
+    from specdeploy.runtime.bundle import sha256_file
+
+    manifest_path = bundle_dir / "manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    for role in roles:
+        entry = manifest["models"][role]["trt"]
+        if not record:
+            del entry["argmax_output"]
+        plan_path = bundle_dir / entry["plan"]
+        plan = json.loads(plan_path.read_text())
+        del plan["network"]
+        plan_path.write_text(json.dumps(plan))
+        manifest["files"][entry["plan"]] = sha256_file(plan_path)
+    manifest_path.write_text(json.dumps(manifest, indent=2))
+
+
+@pytest.mark.parametrize("old", [("draft",), ("target",), ("draft", "target")])
+def test_engines_without_the_argmax_output_keep_the_per_pass_round(built, old):
+    from tiny import PROMPTS
+
+    bundle_dir, modules = built
+    cudart = modules[1]
+    _strip_argmax(bundle_dir, old)
+    bundle, tok, target, drafter, reference, run = _decoder(bundle_dir, modules)
+    assert not drafter.fused_with(target)
+    for role, engine in (("target", target), ("draft", drafter.engine)):
+        assert hasattr(engine, "verify_chain") == hasattr(engine, "draft_chain") == (role not in old)
+    ids = np.asarray(tok.encode(PROMPTS[2]), dtype=np.int64)
+    syncs = cudart.syncs
+    got, stats = run(target, drafter, ids, 4)
+    assert np.array_equal(got, run(reference, None, ids, 0)[0])
+    prefill = -(-(ids.shape[0] - 1) // bundle.prefill_chunk)
+    assert cudart.syncs - syncs == prefill + stats.draft_passes + stats.target_passes  # one per pass
+    assert target.stats["fused"] == drafter.engine.stats["fused"] == 0
+
+
+def test_a_manifest_recording_an_argmax_the_engine_lacks_is_a_bundle_error(built):
+    bundle_dir, modules = built
+    _strip_argmax(bundle_dir, ["target"], record=True)
+    bundle = load_bundle(bundle_dir)
+    with pytest.raises(BundleError, match="does not match the manifest's graph contract; rebuild"):
+        TrtEngine.from_bundle(bundle, bundle.model("target"), modules=modules)
+
+
+def test_sampled_rounds_on_trt_run_pass_by_pass_and_stay_lossless(built):
+    """Under sampling a round is not fused: the draft's passes come back to the host, which
+    samples. With top-k 1 every distribution is a point mass on the argmax, so the output must
+    be greedy's exactly; a seed replays; every pass synchronises once."""
+    from specdeploy.runtime.sampling import SamplingParams
+    from tiny import PROMPTS
+
+    bundle_dir, modules = built
+    cudart = modules[1]
+    bundle, tok, target, drafter, reference, run = _decoder(bundle_dir, modules)
+    ids = np.asarray(tok.encode(PROMPTS[0]), dtype=np.int64)
+    want, _ = run(reference, None, ids, 0)
+    syncs = cudart.syncs
+    got, stats = run(target, drafter, ids, 3, SamplingParams(temperature=1.0, top_k=1, seed=1))
+    assert np.array_equal(got, want) and stats.drafted > 0
+    prefill = -(-(ids.shape[0] - 1) // bundle.prefill_chunk)
+    assert cudart.syncs - syncs == prefill + stats.draft_passes + stats.target_passes
+    assert target.stats["fused"] == drafter.engine.stats["fused"] == 0
+    params = SamplingParams(temperature=1.0, seed=7)
+    assert np.array_equal(run(target, drafter, ids, 3, params)[0], run(target, drafter, ids, 3, params)[0])
 
 
 def test_fork_shares_the_engine_and_owns_its_buffers(built):

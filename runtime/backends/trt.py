@@ -16,20 +16,39 @@ at a 256-byte aligned offset (trt_layout). Each KV buffer is bound as both `past
 and `present_*` (output), the pair TensorRT reports through `get_aliased_input_tensor`:
 the KV-cache update layer writes in place, so rollback stays "move the length back".
 Addresses are set once per execution context, when the context is created.
+
+A greedy round with a model draft (`draft_chain` on the draft's engine, `verify_chain` on the
+target's) synchronises the host once, when both engines were built with the argmax output
+(trt_layout.ARGMAX, added by `specdeploy build`):
+
+    draft: stage -> pass -> argmax row copied device-to-device into the next step's input_ids
+           (k steps back to back on the draft's stream) -> record an event
+    target: wait on that event -> stage -> copy the k tokens device-to-device into input_ids
+           -> verify pass -> the k+1 argmaxes and the k draft tokens down -> one synchronisation
+
+Each engine keeps its own stream (forks and pools stay independent); the target's stream waits
+on the draft's event instead of sharing it, so the one synchronisation, of the target's stream,
+also covers every step of the draft. An engine built without the output has neither method, so
+`ModelDrafter.fused_with` is False and the loop runs its per-pass round. Sampled rounds are not
+fused: `draft_chain` with sampling parameters runs its k passes with a synchronisation each and
+samples on the host, and `verify_chain` with draft probabilities is one plain pass.
 """
 from __future__ import annotations
 
 import ctypes
+import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from ..bundle import ModelSpec
 from ..errors import BundleError, InputError
+from ..sampling import sample, warp
 from . import check_pass
 from .trt_layout import (
-    STAGED_INPUTS, CaptureError, EnqueueError, Profile, ShapeKey, StepGraphs, engine_layout, fill_mask,
-    padded_length, select_profile,
+    ARGMAX, STAGED_INPUTS, CaptureError, EnqueueError, Profile, ShapeKey, StepGraphs, engine_layout, fill_mask,
+    padded_length, select_profile, step_slot,
 )
 
 DEFAULT_LENGTH_BUCKET = 64  # the smallest attention window a pass runs with (see padded_length)
@@ -116,8 +135,9 @@ def _load_engine(trt, plan_path: Path, spec: ModelSpec, entry: dict, max_seq: in
         raise BundleError(f"{plan_path}: TensorRT could not deserialize the engine; rebuild it with `specdeploy build BUNDLE`")
     names = [engine.get_tensor_name(i) for i in range(engine.num_io_tensors)]
     inputs = {n for n in names if engine.get_tensor_mode(n) == trt.TensorIOMode.INPUT}
+    argmax = entry.get("argmax_output")  # absent from engines built before it existed
     want_in = set(STAGED_INPUTS) | {i for i, _ in spec.kv_names}
-    want_out = {"logits"} | {o for _, o in spec.kv_names}
+    want_out = {"logits"} | {o for _, o in spec.kv_names} | ({argmax} if argmax else set())
     if inputs != want_in or set(names) - inputs != want_out:
         raise BundleError(
             f"{plan_path}: engine I/O {sorted(names)} does not match the manifest's graph contract; rebuild the engine"
@@ -134,6 +154,11 @@ def _load_engine(trt, plan_path: Path, spec: ModelSpec, entry: dict, max_seq: in
                 "written in place; rebuild with TensorRT >= 10.15 from an opset-24 TensorScatter graph"
             )
     dtypes = {n: np.dtype(trt.nptype(engine.get_tensor_dtype(n))) for n in names}
+    if argmax and dtypes[argmax] != dtypes["input_ids"]:
+        raise BundleError(
+            f"{plan_path}: output {argmax} is {dtypes[argmax]}, input_ids is {dtypes['input_ids']}; a draft step's "
+            "argmax is copied byte for byte into the next step's input_ids: rebuild the engine"
+        )
     kv_in = spec.kv_names[0][0]
     kv_shape = (1, spec.num_kv_heads, max_seq, spec.head_dim)
     if dtypes[kv_in] != np.dtype(spec.kv_dtype) or tuple(engine.get_tensor_shape(kv_in)) != kv_shape:
@@ -147,6 +172,18 @@ def _load_engine(trt, plan_path: Path, spec: ModelSpec, entry: dict, max_seq: in
             f"records {len(entry['profiles'])}; rebuild the engine"
         )
     return _Loaded(runtime, engine, dtypes)
+
+
+@dataclass
+class DraftChain:
+    """The k tokens of one `draft_chain`. `tokens` [k] is host memory: filled by the round's one
+    synchronisation for a greedy chain, at once for a sampled one. A greedy chain's tokens are
+    also in device memory at `address`, complete once the event `done` has completed: what the
+    verify pass waits on and reads. Valid until the engine's next chain."""
+
+    tokens: np.ndarray
+    address: int | None = None
+    done: object = None
 
 
 class TrtEngine:
@@ -171,13 +208,20 @@ class TrtEngine:
             check_engine_compat(str(self.plan_path), entry, trt.__version__, cuda.device())
             _loaded = _load_engine(trt, self.plan_path, spec, entry, max_seq)
         self._loaded = _loaded
+        self.device = f"cuda:{cuda.call('cudaGetDevice')}"  # fused rounds need draft and target on one GPU
         self.profiles = [Profile.from_dict(p) for p in entry["profiles"]]
         self.t_max = max(p.t_max for p in self.profiles)
+        capture_max_t = max((p.t_max for p in self.profiles if p.name != "prefill"), default=1)
+        self.argmax = entry.get("argmax_output")
+        # The longest draft chain: its verify pass, k+1 tokens, must fit the verify profile.
+        self.max_chain = capture_max_t - 1 if self.argmax else 0
         dtypes = _loaded.dtypes
         kv_in = [i for i, _ in spec.kv_names]
         kv_nbytes = int(np.prod((1, spec.num_kv_heads, max_seq, spec.head_dim))) * np.dtype(spec.kv_dtype).itemsize
         itemsize = {n: dtypes[n].itemsize for n in (*STAGED_INPUTS, "logits")}
-        self.layout = layout = engine_layout(self.t_max, max_seq, spec.vocab_size, kv_in, kv_nbytes, itemsize)
+        self.layout = layout = engine_layout(
+            self.t_max, max_seq, spec.vocab_size, kv_in, kv_nbytes, itemsize, self.max_chain
+        )
 
         # A non-blocking stream of our own: CUDA graphs cannot be captured on the default stream, and
         # TensorRT adds cudaDeviceSynchronize() calls on it ("please use non-default stream instead",
@@ -188,22 +232,48 @@ class TrtEngine:
         # Zero-filled once: slots past the length hold finite values, so the padded window
         # (masked -inf) adds exact zeros.
         cuda.call("cudaMemsetAsync", self._pool, 0, layout.total, self._stream)
-        staged = layout.end("logits")  # the host mirror of [staged inputs | logits]
+        staged = layout.end("logits")  # the host mirror of [staged inputs | argmax rows, chain | logits]
         self._host = int(cuda.call("cudaMallocHost", staged))
         raw = cuda.host_view(self._host, staged)
-        self._h = {
-            n: raw[layout.offset(n) : layout.end(n)].view(dtypes[n]) for n in (*STAGED_INPUTS, "logits")
-        }
+        views = {n: dtypes[n] for n in (*STAGED_INPUTS, "logits")}
+        if self.max_chain:
+            views.update({ARGMAX: dtypes["input_ids"], "chain": dtypes["input_ids"]})
+        self._h = {n: raw[layout.offset(n) : layout.end(n)].view(dtype) for n, dtype in views.items()}
         self._addresses = {n: self._pool + layout.offset(n) for n in (*STAGED_INPUTS, "logits", *kv_in)}
         for past, present in spec.kv_names:
             self._addresses[present] = self._addresses[past]  # one buffer: aliased input and output
+        self._slots_host = None
+        if self.max_chain:
+            self._addresses[self.argmax] = self._pool + layout.offset(ARGMAX)
+            self._slot_at, slot_bytes = step_slot(layout, max_seq, dtypes["attention_mask"].itemsize)
+            self._slots = self._step_slots(max(1, self.max_chain - 1), slot_bytes)  # one at least: no empty allocation
+            # Timing events (the default flags): the chain's duration, and what the verify waits on.
+            self._events = (cuda.call("cudaEventCreate"), cuda.call("cudaEventCreate"))
         self._driver = _Driver(self)
         self._contexts = [self._new_context(i) for i in range(len(self.profiles))]  # eager runs, per profile
-        capture_max_t = max((p.t_max for p in self.profiles if p.name != "prefill"), default=1)
         self.graphs = StepGraphs(enabled=cuda_graphs, max_t=capture_max_t, max_graphs=max_graphs)
         self._chunked: dict[int, np.ndarray] = {}
         self.last_mode = ""
+        self.host_syncs = 0  # synchronisations made by passes and rounds
+        self.fused = 0  # greedy draft chains run on the device, or verify passes fed by one
+        self._chain_host_seconds = 0.0  # the last chain's wall time outside its events (its plain passes)
+        self._chain_evented = False
         cuda.call("cudaStreamSynchronize", self._stream)  # the memset, once, before any pass
+
+    def _step_slots(self, count: int, nbytes: int) -> list[tuple[int, dict[str, np.ndarray]]]:
+        """Pinned host staging for steps 1..count of a draft chain, one slot of `nbytes` each:
+        (address, views of position_ids, write_indices and a one-row mask at their offsets in the pool)."""
+        self._slots_host = int(self._cuda.call("cudaMallocHost", count * nbytes))
+        raw = self._cuda.host_view(self._slots_host, count * nbytes)
+        slots = []
+        for j in range(count):
+            views = {}
+            for n, size in (("position_ids", 1), ("write_indices", 1), ("attention_mask", self.max_seq)):
+                dtype = self._h[n].dtype
+                at = j * nbytes + self.layout.offset(n) - self._slot_at
+                views[n] = raw[at : at + size * dtype.itemsize].view(dtype)
+            slots.append((self._slots_host + j * nbytes, views))
+        return slots
 
     @classmethod
     def from_bundle(cls, bundle, spec: ModelSpec, **kwargs) -> "TrtEngine":
@@ -237,7 +307,10 @@ class TrtEngine:
 
     @property
     def stats(self) -> dict:
-        return {**self.graphs.stats(), "length_bucket": self.length_bucket, "last_mode": self.last_mode}
+        return {
+            **self.graphs.stats(), "length_bucket": self.length_bucket, "last_mode": self.last_mode,
+            "host_syncs": self.host_syncs, "fused": self.fused,
+        }
 
     def forward(self, token_ids: np.ndarray, start: int) -> np.ndarray:
         """token_ids [T] at positions start..start+T-1 -> logits [T, V].
@@ -249,24 +322,14 @@ class TrtEngine:
         t = token_ids.shape[0]
         if t > self.t_max:
             return self._forward_chunked(token_ids, start)
-        length = padded_length(start, t, self.length_bucket, self.max_seq)
-        key = ShapeKey(select_profile(self.profiles, t), t, length)
-        h, cuda, stream = self._h, self._cuda, self._stream
-        h["input_ids"][:t] = token_ids
-        h["position_ids"][:t] = np.arange(start, start + t)
-        h["write_indices"][0] = start
-        fill_mask(h["attention_mask"][: t * length].reshape(t, length), start, self.spec.sliding_window)
-        staged = self.layout.offset("attention_mask") + t * length * h["attention_mask"].itemsize
         # The staging buffer is rewritten only after the previous pass's synchronisation: memory bound
         # to a pass must not change before the stream is synchronised (execute_async_v3 docs).
-        cuda.call("cudaMemcpyAsync", self._pool, self._host, staged, self._kind("HostToDevice"), stream)
-        self.last_mode = self.graphs.run(key, self._driver)
-        nbytes = t * self.vocab_size * h["logits"].itemsize
+        self._run(self._stage(token_ids, start, t))
+        nbytes = t * self.vocab_size * self._h["logits"].itemsize
         logits_at = self.layout.offset("logits")
-        cuda.call("cudaMemcpyAsync", self._host + logits_at, self._pool + logits_at, nbytes, self._kind("DeviceToHost"), stream)
-        # The one host synchronisation of the pass: the caller needs the logits on the host.
-        cuda.call("cudaStreamSynchronize", stream)
-        logits = h["logits"][: t * self.vocab_size].reshape(t, self.vocab_size)
+        self._copy(self._host + logits_at, self._pool + logits_at, nbytes, "DeviceToHost")
+        self._sync()  # the one host synchronisation of the pass: the caller needs the logits on the host
+        logits = self._h["logits"][: t * self.vocab_size].reshape(t, self.vocab_size)
         return logits if logits.dtype == np.float32 else logits.astype(np.float32)
 
     def _forward_chunked(self, token_ids: np.ndarray, start: int) -> np.ndarray:
@@ -281,8 +344,175 @@ class TrtEngine:
             out[s : s + rows.shape[0]] = rows
         return out
 
-    def _kind(self, direction: str):
-        return getattr(self._cuda.rt.cudaMemcpyKind, f"cudaMemcpy{direction}")
+    # -- a greedy round with one host synchronisation ------------------------------------------
+    # Only an engine built with the argmax output offers the two halves: `ModelDrafter.fused_with`
+    # asks hasattr, so an older engine (or a pair with one) keeps the loop's per-pass round.
+
+    @property
+    def draft_chain(self):
+        self._require_argmax("draft_chain")
+        return self._draft_chain
+
+    @property
+    def verify_chain(self):
+        self._require_argmax("verify_chain")
+        return self._verify_chain
+
+    def _require_argmax(self, what: str) -> None:
+        if not self.max_chain:
+            raise AttributeError(
+                f"{self.name}: no {what}: the engine has no argmax output (built before it existed); "
+                "rebuild it with `specdeploy build BUNDLE` for rounds with one host synchronisation"
+            )
+
+    def _draft_chain(self, pending: np.ndarray, start: int, k: int, params=None, seed: int | None = None):
+        """Draft k tokens: one pass over `pending` (the tokens this cache has not seen, at positions
+        start..), then k-1 single steps, each fed the previous step's token.
+
+        Greedy (no `params`, or greedy ones): on the device, no host synchronisation. Each step's
+        argmax row is copied device-to-device into the next step's input_ids and into `chain`;
+        returns a DraftChain, which `verify_chain` of the target reads and brings back. A `pending`
+        longer than every profile (the first round after a long prompt) runs its leading chunks as
+        plain passes, one synchronisation each; the last chunk opens the chain.
+        Sampled: not fused. Each pass comes back to the host, where the token is drawn from the
+        warped distribution with a generator seeded by `seed`; returns (chain, draft_probs [k, V]).
+
+        Inputs staging: step 0 stages in the engine's own area, step i >= 1 in slot i-1 (its
+        position, write index and mask; its token is already on the device). The host never
+        waits inside a chain, so a slot's host-to-device copy may run long after the host has
+        moved on: one slot per step, rewritten only by the next chain, after the round's
+        synchronisation has drained every copy of this one. The device-side rewrites of a pass's
+        bound inputs (the next step's staging, its token) are enqueued on the pass's own stream
+        after it, so they run once it has finished: what `forward`'s rule (no change to bound
+        memory before the synchronisation) guards against is a write the stream does not order.
+        """
+        pending = np.asarray(pending, dtype=np.int64)
+        check_pass(self.name, pending, start, self.max_seq, self.vocab_size)
+        t = pending.shape[0]
+        if not 1 <= k <= self.max_chain or start + t + k - 1 > self.max_seq:
+            raise InputError(
+                f"{self.name}: a draft chain of {k} from position {start + t} needs 1 <= k <= {self.max_chain} "
+                f"and its positions inside the KV buffer [0, {self.max_seq})"
+            )
+        t0 = time.perf_counter()
+        if params is not None and not params.greedy:
+            return self._sampled_chain(pending, start, k, params, seed, t0)
+        lead = t - 1 - (t - 1) % self.t_max  # whole chunks before a last one of 1..t_max tokens
+        for s in range(0, lead, self.t_max):
+            self.forward(pending[s : s + self.t_max], start + s)
+        self._chain_host_seconds, self._chain_evented = time.perf_counter() - t0, True
+        pending, pos = pending[lead:], start + lead
+        cuda, stream = self._cuda, self._stream
+        cuda.call("cudaEventRecord", self._events[0], stream)
+        itemsize = self._h["chain"].itemsize
+        argmax_at, chain_at = self._pool + self.layout.offset(ARGMAX), self._pool + self.layout.offset("chain")
+        key, row = self._stage(pending, pos, pending.shape[0]), pending.shape[0] - 1
+        pos += pending.shape[0]
+        for i in range(k):
+            if i:
+                key, row = self._stage_step(self._slots[i - 1], pos), 0
+                pos += 1
+            self._run(key)
+            token_at = argmax_at + row * itemsize  # this step's token: the argmax of its last row
+            self._copy(chain_at + i * itemsize, token_at, itemsize, "DeviceToDevice")
+            if i + 1 < k:  # after the pass that read input_ids, before the one that reads it next
+                self._copy(self._addresses["input_ids"], token_at, itemsize, "DeviceToDevice")
+        self._copy(self._host + self.layout.offset("chain"), chain_at, k * itemsize, "DeviceToHost")
+        cuda.call("cudaEventRecord", self._events[1], stream)
+        self.fused += 1
+        return DraftChain(self._h["chain"][:k], chain_at, self._events[1])
+
+    def _sampled_chain(self, pending, start, k, params, seed, t0):
+        rng = np.random.default_rng(seed)
+        tokens = np.empty(k, dtype=np.int64)
+        draft_probs = np.empty((k, self.vocab_size), dtype=np.float64)
+        for i in range(k):
+            draft_probs[i] = warp(self.forward(pending, start)[-1], params)
+            tokens[i] = sample(draft_probs[i], rng)
+            start += pending.shape[0]
+            pending = tokens[i : i + 1]
+        self._chain_host_seconds, self._chain_evented = time.perf_counter() - t0, False
+        return DraftChain(tokens), draft_probs
+
+    def chain_seconds(self) -> float:
+        """The last draft chain's duration: for a greedy chain CUDA-event time (readable once the
+        round's synchronisation has passed its end) plus any leading plain passes, for a sampled
+        one wall clock."""
+        if not self._chain_evented:
+            return self._chain_host_seconds
+        return self._chain_host_seconds + self._cuda.call("cudaEventElapsedTime", *self._events) / 1000
+
+    def _verify_chain(self, last: int, chain: DraftChain, start: int, draft_probs: np.ndarray | None = None):
+        """The verify pass over [last, *chain's tokens] at positions start..start+k.
+
+        Greedy: the target's stream waits on the chain's event, the tokens go device-to-device into
+        input_ids, and only the k+1 argmax rows (and the chain's tokens) come back: returns
+        (drafts [k], the target's argmax per row [k+1]) after the round's one synchronisation.
+        With `draft_probs` (a sampled chain): one plain pass; returns (drafts, draft_probs,
+        the target's logits [k+1, V] float32).
+        """
+        k = chain.tokens.shape[0]
+        if draft_probs is not None:
+            logits = self.forward(np.concatenate([[last], chain.tokens]).astype(np.int64), start)
+            return chain.tokens.copy(), draft_probs, logits.copy()
+        t = k + 1
+        check_pass(self.name, np.array([last], dtype=np.int64), start, self.max_seq - k, self.vocab_size)
+        if t > self.max_chain + 1:
+            raise InputError(f"{self.name}: a verify pass of {t} tokens; the engine's verify profile takes up to {self.max_chain + 1}")
+        # Every step of the draft, on its own stream, before anything of this pass.
+        self._cuda.call("cudaStreamWaitEvent", self._stream, chain.done, 0)
+        key = self._stage(np.array([last], dtype=np.int64), start, t)
+        # The staging copy carried stale ids in rows 1..k; the chain's tokens replace them after it.
+        itemsize = self._h[ARGMAX].itemsize
+        self._copy(self._addresses["input_ids"] + itemsize, chain.address, k * itemsize, "DeviceToDevice")
+        self._run(key)
+        argmax_at = self.layout.offset(ARGMAX)
+        self._copy(self._host + argmax_at, self._pool + argmax_at, t * itemsize, "DeviceToHost")
+        self._sync()  # the one host synchronisation of the round; the chain's copy down is done too
+        self.fused += 1
+        return chain.tokens.astype(np.int64), self._h[ARGMAX][:t].astype(np.int64)
+
+    # -- staging, copies, the pass -----------------------------------------------------------------
+
+    def _key(self, start: int, t: int) -> ShapeKey:
+        return ShapeKey(select_profile(self.profiles, t), t, padded_length(start, t, self.length_bucket, self.max_seq))
+
+    def _stage(self, first_ids: np.ndarray, start: int, t: int) -> ShapeKey:
+        """Stage a pass of t tokens at `start` (its first len(first_ids) token ids included) in
+        the engine's host area and enqueue one host-to-device copy of [input_ids .. mask]."""
+        h = self._h
+        h["input_ids"][: first_ids.shape[0]] = first_ids
+        h["position_ids"][:t] = np.arange(start, start + t)
+        h["write_indices"][0] = start
+        key = self._key(start, t)
+        fill_mask(h["attention_mask"][: t * key.length].reshape(t, key.length), start, self.spec.sliding_window)
+        staged = self.layout.offset("attention_mask") + t * key.length * h["attention_mask"].itemsize
+        self._copy(self._pool, self._host, staged, "HostToDevice")
+        return key
+
+    def _stage_step(self, slot: tuple[int, dict[str, np.ndarray]], pos: int) -> ShapeKey:
+        """Stage a single chain step at `pos` in its own slot: its position, write index and mask
+        go up; input_ids, copied on the device, stay out of the copy."""
+        address, views = slot
+        key = self._key(pos, 1)
+        views["position_ids"][0] = pos
+        views["write_indices"][0] = pos
+        fill_mask(views["attention_mask"][: key.length].reshape(1, key.length), pos, self.spec.sliding_window)
+        mask = views["attention_mask"]
+        nbytes = self.layout.offset("attention_mask") - self._slot_at + key.length * mask.itemsize
+        self._copy(self._pool + self._slot_at, address, nbytes, "HostToDevice")
+        return key
+
+    def _copy(self, dst: int, src: int, nbytes: int, direction: str) -> None:
+        kind = getattr(self._cuda.rt.cudaMemcpyKind, f"cudaMemcpy{direction}")
+        self._cuda.call("cudaMemcpyAsync", dst, src, nbytes, kind, self._stream)
+
+    def _run(self, key: ShapeKey) -> None:
+        self.last_mode = self.graphs.run(key, self._driver)  # a captured graph reads the same addresses
+
+    def _sync(self) -> None:
+        self._cuda.call("cudaStreamSynchronize", self._stream)
+        self.host_syncs += 1
 
     def _new_context(self, profile: int):
         # Several contexts may select one profile: since 10.x setOptimizationProfileAsync no longer
@@ -317,10 +547,13 @@ class TrtEngine:
         if hasattr(self, "graphs"):
             self.graphs.close(self._driver)
         self._contexts = []  # contexts go with their last reference, before the memory they point at
-        for free, attr in (("cudaFree", "_pool"), ("cudaFreeHost", "_host")):
+        for free, attr in (("cudaFree", "_pool"), ("cudaFreeHost", "_host"), ("cudaFreeHost", "_slots_host")):
             if getattr(self, attr, None) is not None:
                 cuda.call(free, getattr(self, attr))
                 setattr(self, attr, None)
+        for event in getattr(self, "_events", ()):
+            cuda.call("cudaEventDestroy", event)
+        self._events = ()
         cuda.call("cudaStreamDestroy", stream)
         self._stream = None
 
@@ -389,4 +622,4 @@ class _Driver:
         del executor  # the context goes with its last reference
 
 
-__all__ = ["Cuda", "TrtEngine", "check_engine_compat", "import_modules"]
+__all__ = ["Cuda", "DraftChain", "TrtEngine", "check_engine_compat", "import_modules"]

@@ -1,6 +1,7 @@
 """The TensorRT backend's bookkeeping, with no TensorRT and no GPU: testable anywhere.
 
-- `plan_layout`: one device pool, every tensor at a 256-byte aligned offset.
+- `plan_layout`: one device pool, every tensor at a 256-byte aligned offset; `step_slot`:
+  where the host staging of one single step of a draft chain lands in it.
 - `Profile`, `profiles_for`, `select_profile`: the optimization profiles over T that the
   build creates and the runtime picks from (a draft step, a verify pass, a prefill chunk).
 - `padded_length`, `fill_mask`: the attention window L rounded up to a power-of-two bucket,
@@ -70,22 +71,45 @@ def plan_layout(items: list[tuple[str, int]], alignment: int = ALIGNMENT) -> Lay
 # carries every input of a pass, whatever T and L.
 STAGED_INPUTS = ("input_ids", "position_ids", "write_indices", "attention_mask")
 
+# The extra output the build adds for the fused round: each logits row's argmax ([1, T, 1], the
+# dtype of input_ids), so a draft step's token can be copied into the next step's input on the device.
+ARGMAX = "next_tokens"
+
 
 def engine_layout(
     t_max: int, max_seq: int, vocab_size: int, kv_names: list[str], kv_nbytes: int,
-    itemsize: dict[str, int],
+    itemsize: dict[str, int], max_chain: int = 0,
 ) -> Layout:
-    """The pool of one engine: staged inputs, logits, then the KV buffers (one per layer and
-    kind, each bound as both the aliased input and output)."""
+    """The pool of one engine: staged inputs, then (an engine with the ARGMAX output, max_chain
+    > 0) the argmax rows and `chain`, the up to max_chain tokens of a draft chain, then the
+    logits and the KV buffers (one per layer and kind, each bound as both the aliased input and
+    output). Everything before the logits is small, and mirrored in pinned host memory."""
     sizes = {
         "input_ids": t_max * itemsize["input_ids"],
         "position_ids": t_max * itemsize["position_ids"],
         "write_indices": itemsize["write_indices"],
         "attention_mask": t_max * max_seq * itemsize["attention_mask"],
+        ARGMAX: t_max * itemsize["input_ids"],
+        "chain": max_chain * itemsize["input_ids"],
         "logits": t_max * vocab_size * itemsize["logits"],
     }
-    return plan_layout([(n, sizes[n]) for n in STAGED_INPUTS] + [("logits", sizes["logits"])]
+    small = [*STAGED_INPUTS, ARGMAX, "chain"] if max_chain else list(STAGED_INPUTS)
+    return plan_layout([(n, sizes[n]) for n in small] + [("logits", sizes["logits"])]
                        + [(n, kv_nbytes) for n in kv_names])
+
+
+def step_slot(layout: Layout, max_seq: int, mask_itemsize: int) -> tuple[int, int]:
+    """(pool offset, aligned size) of the host staging of one single step (T = 1) of a draft
+    chain: the pool's bytes from position_ids to the end of a one-row mask of max_seq slots.
+    The step's token is not in it: the previous step's argmax is copied into input_ids on the
+    device. Each step of a chain stages into a slot of its own (see TrtEngine.draft_chain).
+
+    >>> step_slot(plan_layout([("input_ids", 8), ("position_ids", 8), ("write_indices", 8),
+    ...                        ("attention_mask", 4 * 128)]), 100, 4)
+    (256, 1024)
+    """
+    first = layout.offset("position_ids")
+    return first, align_up(layout.offset("attention_mask") - first + max_seq * mask_itemsize)
 
 
 # -- optimization profiles over T -------------------------------------------------------------------
