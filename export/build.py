@@ -20,7 +20,7 @@ import torch
 from specdeploy.runtime.bundle import FORMAT, FORMAT_VERSION, MANIFEST, ModelSpec, sha256_file
 from specdeploy.runtime.errors import ExportError
 
-from .graph import SpecGraph
+from .graph import SpecGraph, restrict_head
 from .load import Source, eos_token_ids, load_source, same_tokenizer
 from .onnx_export import DTYPES, KV_DTYPES, check_parity, export_onnx, io_names
 from .quantize import SCHEMES, quantize_model
@@ -58,7 +58,7 @@ def model_entry(graph: SpecGraph, source: Source, graph_file: str, dtype: str, m
     window = getattr(cfg, "sliding_window", None) if cfg.model_type == "mistral" else None
     inputs, outputs = io_names(graph.num_layers)
     kv_shape = [1, graph.num_kv_heads, max_seq, graph.head_dim]
-    return {
+    entry = {
         "graph": graph_file,
         "source": str(source.path),
         "architecture": cfg.model_type,
@@ -83,6 +83,9 @@ def model_entry(graph: SpecGraph, source: Source, graph_file: str, dtype: str, m
         "outputs": {"logits": ["1", "T", cfg.vocab_size], **{name: kv_shape for name in outputs[1:]}},
         "kv_aliases": {o: i for i, o in zip(inputs[4:], outputs[1:])},
     }
+    if graph.head_vocab is not None:
+        entry["head_vocab"] = int(graph.head_vocab.shape[0])  # logits of other tokens are -inf
+    return entry
 
 
 def _export_model(
@@ -114,13 +117,16 @@ def _graph(source: Source, dtype: str, num_layers: int | None = None) -> SpecGra
     """The graph of `source` at `dtype`; int8/int4 quantize a copy (the source stays float,
     so a target and its draft may differ in dtype)."""
     record = None
+    vocab = source.head_vocab
+    model = copy.deepcopy(source.model) if dtype in SCHEMES or vocab else source.model
+    if vocab:
+        restrict_head(model, vocab)
     if dtype in SCHEMES:
-        model = copy.deepcopy(source.model)
         gguf = source.path if source.path.suffix == ".gguf" else None
         record = quantize_model(model, dtype, gguf, num_layers)
     else:
-        model = source.model.to(DTYPES[dtype])
-    graph = SpecGraph(model, num_layers).eval()
+        model = model.to(DTYPES[dtype])
+    graph = SpecGraph(model, num_layers, head_vocab=vocab).eval()
     graph.inv_freq = graph.inv_freq.float()  # RoPE angles stay in fp32 whatever the weights
     graph.quantization = record
     return graph
@@ -204,6 +210,8 @@ def build_bundle(
             draft_entry["layers"] = spec.layers
         elif spec.kind == "model":
             draft_entry["source"] = str(spec.path)
+            if draft_source.distilled:  # how `specdeploy distill` made it (its vocabulary is in the graph)
+                draft_entry["distilled"] = {k: v for k, v in draft_source.distilled.items() if k != "vocab"}
         elif spec.kind == "ngram":
             # Matches of a single token propose too often and too wrongly: measured on SmolLM2
             # (20 varied prompts), n-grams 4..2 accept 26-27% of drafts against 18% for 3..1.

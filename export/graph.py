@@ -91,6 +91,19 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+def restrict_head(hf_model: nn.Module, vocab: list[int]) -> None:
+    """Give the model a head over `vocab`'s tokens only, in place (a distilled draft: N of
+    V rows, so the head costs N/V). SpecGraph(head_vocab=vocab) then gives every other
+    token -inf: the output keeps the contract's [B, T, V] and those tokens are never drafted."""
+    old = hf_model.lm_head
+    ids = torch.tensor(vocab, dtype=torch.long)
+    head = nn.Linear(old.in_features, len(vocab), bias=old.bias is not None)
+    head.weight.data = old.weight.data[ids].clone()
+    if old.bias is not None:
+        head.bias.data = old.bias.data[ids].clone()
+    hf_model.lm_head = head.to(old.weight.dtype)
+
+
 class SpecGraph(nn.Module):
     """A Llama-family decoder (Llama, Qwen2, Mistral) over static, in-place KV buffers.
 
@@ -99,7 +112,10 @@ class SpecGraph(nn.Module):
     (a layer-truncated self-draft uses the target's first N layers, its norm and head).
     """
 
-    def __init__(self, hf_model: nn.Module, num_layers: int | None = None, inplace: bool = False):
+    def __init__(
+        self, hf_model: nn.Module, num_layers: int | None = None, inplace: bool = False,
+        head_vocab: list[int] | None = None,
+    ):
         super().__init__()
         cfg = hf_model.config
         base = hf_model.model
@@ -117,6 +133,9 @@ class SpecGraph(nn.Module):
         self.scaling = self.head_dim**-0.5
         self.inplace = inplace  # eager runs over caller-owned buffers write in place
         self.contrib_ops = False  # see use_contrib_ops
+        self.vocab_size = cfg.vocab_size
+        # A distilled draft's head covers these tokens only (see restrict_head); None: all.
+        self.head_vocab = None if head_vocab is None else torch.tensor(head_vocab, dtype=torch.long)
 
     def use_contrib_ops(self, positions: int) -> None:
         """Spell RoPE as ONNX Runtime's RotaryEmbedding (one node for what is otherwise about
@@ -180,4 +199,7 @@ class SpecGraph(nn.Module):
             h = h + attn.o_proj(out)
             h = h + _mlp(layer.mlp, rms_norm(layer.post_attention_layernorm, h))
         logits = self.lm_head(rms_norm(self.norm, h)).float()
+        if self.head_vocab is not None:  # one ScatterElements into rows of -inf
+            full = logits.new_full((b, t, self.vocab_size), float("-inf"))
+            logits = full.scatter(-1, self.head_vocab.to(logits.device).expand(b, t, -1), logits)
         return (logits, *presents)

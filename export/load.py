@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import importlib.metadata
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,6 +32,12 @@ class Source:
     path: Path
     model: Any  # a transformers causal LM, float32, eval mode
     tokenizer: Any  # a transformers fast tokenizer
+    distilled: dict | None = None  # a draft made by `specdeploy distill`: its distill.json
+
+    @property
+    def head_vocab(self) -> list[int] | None:
+        """The token ids a distilled draft's head covers (None: every token)."""
+        return self.distilled["vocab"] if self.distilled else None
 
     @property
     def config(self):
@@ -75,7 +82,21 @@ def load_source(path: "str | Path | Source") -> Source:
         raise ExportError(f"{path}: cannot load its tokenizer ({str(e).splitlines()[0]})") from None
     if not hasattr(tokenizer, "backend_tokenizer"):
         raise ExportError(f"{path}: its tokenizer has no fast (tokenizer.json) form, which the runtime needs")
-    return Source(path, model, tokenizer)
+    return Source(path, model, tokenizer, _distill_record(path, config.vocab_size))
+
+
+def _distill_record(path: Path, vocab_size: int) -> dict | None:
+    record_path = path / "distill.json" if path.is_dir() else None
+    if record_path is None or not record_path.is_file():
+        return None
+    try:
+        record = json.loads(record_path.read_text())
+        vocab = record["vocab"]
+    except (ValueError, KeyError, TypeError):
+        raise ExportError(f"{record_path}: not a distill record (expected JSON with a 'vocab' list)") from None
+    if not vocab or not all(isinstance(t, int) and 0 <= t < vocab_size for t in vocab) or len(set(vocab)) != len(vocab):
+        raise ExportError(f"{record_path}: 'vocab' must be distinct token ids in 0..{vocab_size - 1}")
+    return record
 
 
 def eos_token_ids(source: Source) -> list[int]:

@@ -38,6 +38,12 @@ DEFAULT_PROMPTS = (
 
 
 # -- pure helpers -----------------------------------------------------------------------------
+def read_prompts(path: Path) -> list[str]:
+    """One prompt per non-blank line; the two characters backslash and n inside a line stand
+    for a newline (prompts with code)."""
+    return [line.replace("\\n", "\n") for line in path.read_text().splitlines() if line.strip()]
+
+
 def percentile(values: Sequence[float], q: float) -> float:
     """The q-th percentile, linear between closest ranks (numpy's default method).
 
@@ -237,6 +243,7 @@ def bench(
         draft_step = row["draft_seconds"] / row["draft_passes"] if row["draft_passes"] else 0.0
         c = draft_step / plain_step if plain_step else 0.0
         verify_pass = row["verify_seconds"] / max(1, row["target_passes"])
+        v = verify_pass / plain_step if plain_step else 0.0
         row.update(
             draft_len=k,
             measured_speedup=statistics.median(ratios[k]),
@@ -245,7 +252,10 @@ def bench(
             mean_draft_len=g,
             predicted_tokens_per_pass=tokens_per_pass(a, g),
             cost_ratio=c,
-            verify_cost_ratio=verify_pass / plain_step if plain_step else 0.0,
+            verify_cost_ratio=v,
+            # The same model with the verify pass's measured cost v (a pass at T = g+1 costs
+            # more than a plain step at T = 1): tokens per pass / (g*c + v).
+            predicted_speedup_with_verify=tokens_per_pass(a, g) / (g * c + v) if v else 0.0,
             identical=f"{identical[k]}/{len(spec_runs[k])}",
         )
         configs.append(row)
@@ -322,15 +332,16 @@ def format_report(report: dict) -> str:
     lines = [
         f"bundle {report['bundle']} on {report['device']}; {report['prompts']} prompts x {report['repeats']} repeats, "
         f"{report['max_new_tokens']} new tokens; clock: {report['clock']}",
-        f"{'draft':>6} {'tok/s':>8} {'speedup':>8} {'predicted':>9} {'accept':>7} {'tok/pass':>8} {'c':>6} "
+        f"{'draft':>6} {'tok/s':>8} {'speedup':>8} {'predicted':>9} {'pred(v)':>8} {'accept':>7} {'tok/pass':>8} {'c':>6} {'v':>5} "
         f"{'TTFT ms':>8} {'ITL ms':>7} {'p90':>7}  time split prefill/draft/verify/host  identical",
-        f"{'plain':>6} {p['tokens_per_second']:8.1f} {1.0:8.2f} {'':>9} {'':>7} {p['tokens_per_pass']:8.2f} {'':>6} "
+        f"{'plain':>6} {p['tokens_per_second']:8.1f} {1.0:8.2f} {'':>9} {'':>8} {'':>7} {p['tokens_per_pass']:8.2f} {'':>6} {'':>5} "
         f"{p['ttft_ms_median']:8.1f} {p['itl_ms_median']:7.2f} {p['itl_ms_p90']:7.2f}  {_split(p)}",
     ]
     for c in report["configs"]:
         lines.append(
             f"{str(c['draft_len']):>6} {c['tokens_per_second']:8.1f} {c['measured_speedup']:8.2f} "
-            f"{c['predicted_speedup']:9.2f} {c['acceptance']:7.2f} {c['tokens_per_pass']:8.2f} {c['cost_ratio']:6.3f} "
+            f"{c['predicted_speedup']:9.2f} {c['predicted_speedup_with_verify']:8.2f} {c['acceptance']:7.2f} "
+            f"{c['tokens_per_pass']:8.2f} {c['cost_ratio']:6.3f} {c['verify_cost_ratio']:5.2f} "
             f"{c['ttft_ms_median']:8.1f} {c['itl_ms_median']:7.2f} {c['itl_ms_p90']:7.2f}  {_split(c)}  {c['identical']}"
         )
     for c in report["configs"]:

@@ -54,6 +54,32 @@ def export_cmd(target, draft, out, max_seq, max_draft, dtype, draft_dtype, prefi
     )
 
 
+@main.command("distill")
+@click.option("--target", required=True, help="Hugging Face model folder or .gguf file ('smollm2': the embedded default).")
+@click.option("--out", required=True, type=click.Path(path_type=Path), help="Folder for the draft (a Hugging Face model).")
+@click.option("--layers", type=int, help="Draft layers, initialised from the target's first ones.  [default: 2]")
+@click.option("--draft-vocab", type=int, help="Tokens the draft's head covers (the target's most frequent picks).  [default: 8192]")
+@click.option("--tokens", type=int, help="Answer tokens the target generates to learn from.  [default: 40000]")
+@click.option("--steps", type=int, help="Training steps.  [default: 500]")
+@click.option("--batch", type=int, help="Answers per training step.  [default: 8]")
+@click.option("--lr", type=float, help="Peak learning rate (AdamW, warm-up then cosine).  [default: 0.001]")
+@click.option("--temperature", type=float, help="The target samples its answers at this temperature (0: greedy).  [default: 0.7]")
+@click.option("--max-new-tokens", type=int, help="Tokens per answer.  [default: 128]")
+@click.option("--seed", type=int, help="Everything random is drawn from it.  [default: 0]")
+@click.option("--no-progress", is_flag=True, help="No progress bars.")
+def distill_cmd(target, out, no_progress, **given):
+    """Train a small draft for TARGET: it learns the target's own next-token distributions on
+    answers the target writes. Interrupted runs resume (work in OUT.work/); the result is the
+    same under the same seed. Export it with `specdeploy export --draft OUT`."""
+    from specdeploy.export import embedded_default
+    from specdeploy.export.distill import DistillSettings, distill
+
+    if target == "smollm2":
+        target = embedded_default()
+    settings = DistillSettings(**{k: v for k, v in given.items() if v is not None})
+    distill(target, out, settings, log=lambda m: click.echo(m, err=True), progress=not no_progress)
+
+
 def _parse_ids(text: str) -> list[int]:
     try:
         return [int(x) for x in text.replace(",", " ").split()]
@@ -130,11 +156,11 @@ def inspect(bundle, no_verify):
 @click.option("--plot", "plot_out", type=click.Path(path_type=Path))
 def bench(bundle, backend, draft_len, prompts, max_new_tokens, repeats, no_chat, threads, json_out, plot_out):
     """Latency profile of BUNDLE: plain vs each draft length, measured and predicted speedup."""
-    from .bench import bench as run_bench, format_report, plot, write_json
+    from .bench import bench as run_bench, format_report, plot, read_prompts, write_json
 
     if prompts is not None and not prompts.is_file():
         raise InputError(f"--prompts {prompts}: no such file")
-    texts = [line for line in prompts.read_text().splitlines() if line.strip()] if prompts else None
+    texts = read_prompts(prompts) if prompts else None
     report = run_bench(bundle, backend, draft_len, texts, max_new_tokens, repeats, chat=not no_chat,
                        threads=threads, log=lambda m: click.echo(m, err=True))
     click.echo(format_report(report))
@@ -200,12 +226,13 @@ def serve(bundle, host, port, workers, max_queue, threads, model_name):
 @click.option("--json", "json_out", type=click.Path(path_type=Path), help="Write the full report here.")
 def eval_cmd(bundle, prompts_file, max_new_tokens, draft_len, samples, alpha, near_tie, strict, json_out):
     """Check the quality contract of BUNDLE: speculation changes speed, not output. Exits 3 when broken."""
+    from .bench import read_prompts
     from .evaluate import evaluate
     from .session import Session
 
     if not prompts_file.is_file():
         raise InputError(f"--prompts {prompts_file}: no such file")
-    prompts = [p for p in prompts_file.read_text().splitlines() if p.strip()]
+    prompts = read_prompts(prompts_file)
     if not prompts:
         raise InputError(f"--prompts {prompts_file}: no prompts in it")
     report = evaluate(Session(bundle), prompts, max_new_tokens, draft_len, near_tie, samples, alpha, strict)
@@ -227,7 +254,9 @@ def eval_cmd(bundle, prompts_file, max_new_tokens, draft_len, samples, alpha, ne
 
 @main.command()
 @click.option("--out", type=click.Path(path_type=Path), default=Path("engines/smollm2"), show_default=True)
-@click.option("--draft", default="ngram", show_default=True, help="Draft for the bundle (see `export`).")
+@click.option("--draft", default="ngram", show_default=True,
+              help="As for `export`, or distilled: a draft `specdeploy distill` trains on the first run (about "
+                   "17 minutes here) and keeps in OUT-draft/.")
 @click.option("--prompt", default=DEFAULT_PROMPT, show_default=True)
 @click.option("--max-new-tokens", default=128, show_default=True)
 @click.option("--draft-len", default="auto", show_default=True)

@@ -168,7 +168,7 @@ def decode(
         k = min(draft_len.choose(drafter), max_new_tokens - produced - 1) if drafter is not None else 0
         draft_before, verify_before = (drafter.seconds if drafter else 0.0), stats.verify_seconds
         new = speculative_round(target, drafter, ids[:n], k, params, rng, stats)
-        if drafter is not None and k > 0:
+        if drafter is not None:
             draft_len.update(stats.last_proposed, stats.last_accepted, drafter.seconds - draft_before,
                              stats.verify_seconds - verify_before)
         stop = np.flatnonzero(np.isin(new, eos))
@@ -200,6 +200,8 @@ class DraftLength:
     model (DESIGN.md section 4) with the acceptance rate a and the cost ratio c measured so
     far in this generation: tokens(k) = (1 - a^(k+1)) / (1 - a), time(k) = k*c + v(k), where
     v(k) is the verify pass's cost at T = k+1 relative to T = 1 (it grows a little with T).
+    When it measures (greedy), its second round is one plain step: the T = 1 pass that c
+    and v(k) are measured against (a verify pass at T = 2 is not one).
     The drafter also stops early when it is unsure of its next token (confidence below
     `min_confidence`). Greedy output never depends on k: it only changes the speed.
     """
@@ -234,6 +236,8 @@ class DraftLength:
         if self.fixed is not None:
             return self.fixed
         self._rounds += 1
+        if self.measure and self._verify_t1 is None and self._rounds == 2:
+            return 0  # one plain step: the T = 1 pass every other cost is measured against
         a = min(self.acceptance, 0.999)
         best_k, best = 0, 1.0  # k = 0: a plain step, one verify pass at T = 1 per token
         for k in range(1, self.max_k + 1):
@@ -245,15 +249,19 @@ class DraftLength:
         return best_k
 
     def update(self, proposed: int, accepted: int, draft_seconds: float, verify_seconds: float) -> None:
+        """After each round: `proposed` draft tokens (0: the pass was a plain step at T = 1),
+        `accepted` of them, the draft's and the verify pass's seconds."""
         d = self.decay
         self.accepted = d * self.accepted + accepted
         self.rejected = d * self.rejected + (1 if accepted < proposed else 0)
-        if proposed == 0 or verify_seconds <= 0 or not self.measure:
+        if verify_seconds <= 0 or not self.measure:
             return
-        if proposed == 1 and self._verify_t1 is None:
-            self._verify_t1 = verify_seconds
+        if proposed == 0:  # a plain step: the reference cost of a T = 1 pass
+            t1 = self._verify_t1
+            self._verify_t1 = verify_seconds if t1 is None else d * t1 + (1 - d) * verify_seconds
+            return
         t1 = self._verify_t1 or verify_seconds / (1 + self.verify_slope * proposed)
         self.cost_ratio = d * self.cost_ratio + (1 - d) * (draft_seconds / proposed) / t1
-        if proposed > 1 and self._verify_t1:
+        if self._verify_t1:
             slope = max(0.0, (verify_seconds / t1 - 1) / proposed)
             self.verify_slope = d * self.verify_slope + (1 - d) * slope

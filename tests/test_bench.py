@@ -93,6 +93,10 @@ def test_bench_on_a_tiny_bundle(bundles, tmp_path):
         assert c["predicted_speedup"] == pytest.approx(
             predicted_speedup(c["acceptance"], c["mean_draft_len"], c["cost_ratio"])
         )
+        assert c["verify_cost_ratio"] > 0 and c["predicted_speedup_with_verify"] == pytest.approx(
+            tokens_per_pass(c["acceptance"], c["mean_draft_len"])
+            / (c["mean_draft_len"] * c["cost_ratio"] + c["verify_cost_ratio"])
+        )
         assert 0 <= c["acceptance"] <= 1
     assert len(report["configs"][1]["acceptance_by_position"]) == 4
     text = format_report(report)
