@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 from specdeploy.runtime import Session
+from specdeploy.runtime.bench import read_prompts
 
 HERE = Path(__file__).parent
 
@@ -55,7 +56,7 @@ def main() -> None:
         from specdeploy.export import embedded_default
 
         args.gguf = str(embedded_default())
-    prompts = [p for p in Path(args.prompts).read_text().splitlines() if p.strip()]
+    prompts = read_prompts(Path(args.prompts))  # a backslash-n inside a line is a newline
     sessions = {path: Session(path, threads=args.threads) for path in args.bundles}
     first = next(iter(sessions.values()))
     ctx = first.bundle.max_seq

@@ -206,8 +206,7 @@ class Student(nn.Module):
         cfg.tie_word_embeddings = False
         if getattr(cfg, "layer_types", None):
             cfg.layer_types = cfg.layer_types[:layers]
-        torch.manual_seed(0)  # nothing below is random, but the constructor draws
-        self.lm = type(target)(cfg).eval()
+        self.lm = type(target)(cfg).eval()  # its random init is overwritten below, every tensor
         base, theirs = self.lm.model, target.model
         base.embed_tokens.weight.data.copy_(theirs.embed_tokens.weight.data)
         base.embed_tokens.weight.requires_grad_(False)  # frozen: the target's token space
