@@ -6,10 +6,11 @@ when complete, so a failed export never leaves a half-written bundle or loses an
 from __future__ import annotations
 
 import copy
-import json
-import re
 import shutil
 import tempfile
+from contextlib import contextmanager
+import json
+import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +27,23 @@ from .onnx_export import DTYPES, KV_DTYPES, check_parity, export_onnx, io_names
 from .quantize import SCHEMES, quantize_model
 
 VERSION = "0.1.0"
+
+
+@contextmanager
+def atomic_folder(out: Path):
+    """A temporary folder beside `out` to write into: it replaces `out` when the block ends
+    and is removed if anything fails, so `out` is never half written and an old one is kept
+    until the new one is whole."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        yield work
+        if out.exists():
+            shutil.rmtree(out)
+        work.rename(out)
+    except BaseException:
+        shutil.rmtree(work, ignore_errors=True)
+        raise
 
 
 @dataclass(frozen=True)
@@ -193,9 +211,7 @@ def build_bundle(
             raise ExportError(
                 f"draft {spec.path} has {draft_source.config.vocab_size} logits, target {target} has {cfg.vocab_size}"
             )
-    out.parent.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
+    with atomic_folder(out) as work:
         common = dict(max_seq=max_seq, max_draft=max_draft, prefill_chunk=prefill_chunk, log=log)
         graph = _graph(target_source, dtype)
         models = {"target": _export_model(graph, target_source, work, "target", dtype=dtype, full_model=True, **common)}
@@ -231,11 +247,5 @@ def build_bundle(
         }
         manifest["files"] = {p.name: sha256_file(p) for p in sorted(work.iterdir()) if p.is_file()}
         (work / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
-        if out.exists():
-            shutil.rmtree(out)
-        work.rename(out)
-    except BaseException:
-        shutil.rmtree(work, ignore_errors=True)
-        raise
     log(f"bundle written to {out} in {time.perf_counter() - started:.0f}s")
     return manifest

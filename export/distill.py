@@ -23,7 +23,6 @@ import os
 import random
 import shutil
 import sys
-import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -412,18 +411,12 @@ def distill(
 def _write_folder(student: Student, source: Source, record: dict, out: Path) -> None:
     """The draft as a Hugging Face folder (model, tokenizer, distill.json), moved into place
     only when complete."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
+    from .build import atomic_folder
+
+    with atomic_folder(out) as tmp:
         student.export_model().save_pretrained(tmp)
         source.tokenizer.save_pretrained(tmp)
         (tmp / RECORD).write_text(json.dumps(record, indent=1) + "\n")
-        if out.exists():
-            shutil.rmtree(out)
-        tmp.rename(out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
 
 
 __all__ = ["RECORD", "DistillSettings", "Student", "agreement", "distill", "loss_fn"]

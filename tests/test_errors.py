@@ -118,3 +118,19 @@ def test_draft_len_past_bundle_max(bundles):
     assert_one_line_error(
         run("generate", bundles("llama-self"), "--prompt", "hi", "--draft-len", 9), "draft length 9 is outside [0, 8]"
     )
+
+
+def test_a_failed_write_keeps_the_old_folder_and_leaves_nothing_behind(tmp_path):
+    from specdeploy.export.build import atomic_folder
+
+    out = tmp_path / "bundle"
+    out.mkdir()
+    (out / "old").write_text("1")
+    with pytest.raises(RuntimeError):
+        with atomic_folder(out) as work:
+            (work / "new").write_text("2")
+            raise RuntimeError("export failed half way")
+    assert [p.name for p in tmp_path.iterdir()] == ["bundle"] and (out / "old").read_text() == "1"
+    with atomic_folder(out) as work:
+        (work / "new").write_text("2")
+    assert [p.name for p in tmp_path.iterdir()] == ["bundle"] and [p.name for p in out.iterdir()] == ["new"]
