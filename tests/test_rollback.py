@@ -1,5 +1,6 @@
 """Rollback is moving the length: slots past it are never read, buffers never move."""
 import numpy as np
+import pytest
 
 from specdeploy.runtime import Session, load_bundle
 from specdeploy.runtime.backends.ort import OrtEngine
@@ -48,3 +49,14 @@ def test_kv_buffers_keep_their_addresses_for_a_whole_generation(bundles):
     # and a second request on the same session still uses the same buffers
     session.generate(PROMPTS[2], max_new_tokens=10)
     assert session.target.kv_addresses() == target0
+
+
+def test_a_draft_session_does_not_spin_on_the_targets_cores(bundles):
+    """ONNX Runtime's idle threads spin by default; a draft's would spin through the target's
+    verify pass on the same cores. The target keeps the default."""
+    session = Session(bundles("llama-model"))
+    draft = session.drafter.engine.session.get_session_options()
+    assert draft.get_session_config_entry("session.intra_op.allow_spinning") == "0"
+    target = session.target.session.get_session_options()
+    with pytest.raises(RuntimeError, match="does not have configuration"):
+        target.get_session_config_entry("session.intra_op.allow_spinning")
