@@ -49,7 +49,7 @@ def main() -> None:
     report = {"prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "repeats": args.repeats,
               "temperature": args.temperature, "bundles": {}}
     for path in args.bundles:
-        session = Session(path)
+        session = Session(path, prompt_cache=False)  # runs of one prompt alternate: each prefills it
         for draft_len in draft_lens:
             _run(session, path, prompts, draft_len, args, hf, report)
     if args.json:

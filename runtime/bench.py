@@ -203,7 +203,7 @@ def bench(
     """Profile `bundle` on `backend`; returns the report (see `format_report`, `plot`)."""
     from .session import Session
 
-    session = Session(bundle, threads=threads, backend=backend)
+    session = Session(bundle, threads=threads, backend=backend, prompt_cache=False)  # every run prefills its prompt
     lens = parse_draft_lens(draft_lens, session.bundle.max_draft) if session.drafter is not None else []
     prompts = list(prompts or DEFAULT_PROMPTS)
     if not prompts:

@@ -59,7 +59,7 @@ def run_demo(
 ) -> None:
     if rebuild or not _bundle_ready(out, draft, dtype):
         _export(out, draft, dtype)
-    session = Session(out)
+    session = Session(out, prompt_cache=False)  # the plain rerun prefills too: a fair comparison
     click.echo(f"\n> {prompt}\n")
     gen = session.stream(prompt, chat=True, max_new_tokens=max_new_tokens, draft_len=draft_len)
     ids: list[int] = []

@@ -29,13 +29,17 @@ class ModelDrafter:
         self.passes = 0
         self.seconds = 0.0
         self.min_confidence = 0.0
+        self._runs = None  # the engine's pass count when `fed` was last true (see OrtEngine.runs)
 
     def reset(self) -> None:
         self.length = 0
 
     def _rollback(self, ids: np.ndarray) -> np.ndarray:
         """Rollback is moving the length back to what the cache and the text agree on; the
-        first pass then catches up on every token the cache has not seen (returned)."""
+        first pass then catches up on every token the cache has not seen (returned). If
+        anyone else ran the engine since (or a pass of ours failed), nothing is trusted."""
+        if getattr(self.engine, "runs", None) != self._runs:
+            self.length = 0
         m = min(self.length, ids.shape[0] - 1)
         same = self.fed[:m] == ids[:m]
         self.length = m if same.all() else int(same.argmin())
@@ -69,6 +73,7 @@ class ModelDrafter:
         self.fed[self.length : self.length + fed.shape[0]] = fed
         self.length += fed.shape[0]
         self.passes += k
+        self._runs = getattr(self.engine, "runs", None)
         draft_seconds = self.engine.chain_seconds()
         self.seconds += draft_seconds
         return drafts, draft_probs, target_out, time.perf_counter() - t0 - draft_seconds
@@ -97,6 +102,7 @@ class ModelDrafter:
             tokens[i] = token
             count += 1
             pending = tokens[i : i + 1]
+        self._runs = getattr(self.engine, "runs", None)
         self.seconds += time.perf_counter() - t0
         return tokens[:count], None if probs is None else probs[:count]
 

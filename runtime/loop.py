@@ -19,6 +19,7 @@ from .sampling import SamplingParams, accept_greedy, verify_greedy, verify_sampl
 @dataclass
 class Stats:
     prompt_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens whose K/V a previous generation left (not prefilled)
     new_tokens: int = 0
     target_passes: int = 0  # verify passes (plain decoding: one per token)
     draft_passes: int = 0
@@ -67,6 +68,7 @@ class Stats:
         host = self.seconds - self.prefill_seconds - self.draft_seconds - self.verify_seconds
         return {
             "prompt_tokens": self.prompt_tokens,
+            "cached_tokens": self.cached_tokens,
             "new_tokens": self.new_tokens,
             "target_passes": self.target_passes,
             "draft_passes": self.draft_passes,
@@ -90,10 +92,43 @@ class Stats:
         }
 
 
-def prefill(target: Engine, ids: np.ndarray, chunk: int) -> None:
-    """Write K/V of every prompt token but the last (it opens the first round)."""
-    for start in range(0, ids.shape[0] - 1, chunk):
-        target.forward(ids[start : min(start + chunk, ids.shape[0] - 1)], start)
+def prefill(target: Engine, ids: np.ndarray, chunk: int, start: int = 0) -> None:
+    """Write K/V of every prompt token but the last (it opens the first round), from
+    position `start` on (the cache holds the ones before)."""
+    for at in range(start, ids.shape[0] - 1, chunk):
+        target.forward(ids[at : min(at + chunk, ids.shape[0] - 1)], at)
+
+
+class PromptCache:
+    """Which token ids the target's KV buffers hold, so that the next prompt prefills only
+    what it does not share with them (a chat's system prompt, the earlier turns).
+
+    K/V at a position depend only on the tokens up to it, and a verify pass's rows equal
+    single steps bit for bit, so reused K/V equal what a prefill would write. The record
+    is `length` committed tokens, taken at the end of each round (the loop's invariant: the
+    cache holds every committed token but the last). It is trusted only if the engine has
+    run no pass since (its `runs` counter): anyone else's pass, or one that failed, may have
+    written over it.
+    """
+
+    def __init__(self, max_seq: int):
+        self.ids = np.empty(max_seq, dtype=np.int64)
+        self.length = 0
+        self.runs: int | None = None
+
+    def reusable(self, target: Engine, prompt: np.ndarray) -> int:
+        """How many leading prompt tokens (never the last: it opens the first round) have
+        their K/V in the buffers already."""
+        if self.runs is None or getattr(target, "runs", None) != self.runs:
+            return 0
+        m = min(self.length, prompt.shape[0] - 1)
+        differ = np.flatnonzero(self.ids[:m] != prompt[:m])
+        return int(differ[0]) if differ.size else m
+
+    def hold(self, target: Engine, ids: np.ndarray, length: int) -> None:
+        self.ids[:length] = ids[:length]
+        self.length = length
+        self.runs = getattr(target, "runs", None)
 
 
 def speculative_round(
@@ -140,6 +175,7 @@ def decode(
     prefill_chunk: int,
     params: SamplingParams,
     stats: Stats,
+    cache: PromptCache | None = None,
 ):
     """Yield the committed tokens of each round until EOS or max_new_tokens.
 
@@ -155,10 +191,15 @@ def decode(
     n = prompt_ids.shape[0]
     ids[:n] = prompt_ids
     stats.prompt_tokens = n
+    reuse = cache.reusable(target, ids[:n]) if cache is not None else 0
+    stats.cached_tokens = reuse
     if drafter is not None:
-        drafter.reset()
+        if cache is None:
+            drafter.reset()  # else it keeps its own K/V: its rollback reuses what agrees with ids
         passes0, seconds0 = drafter.passes, drafter.seconds
-    prefill(target, ids[:n], prefill_chunk)
+    prefill(target, ids[:n], prefill_chunk, start=reuse)
+    if cache is not None:
+        cache.hold(target, ids, n - 1)
     stats.prefill_seconds = time.perf_counter() - t_start
     eos = np.asarray(eos_token_ids, dtype=np.int64)
     produced = 0
@@ -178,6 +219,8 @@ def decode(
         ids[n : n + new.shape[0]] = new
         n += new.shape[0]
         produced += new.shape[0]
+        if cache is not None:
+            cache.hold(target, ids, n - 1)
         stats.new_tokens = produced
         if drafter is not None:
             stats.draft_passes = drafter.passes - passes0

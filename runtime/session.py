@@ -12,7 +12,7 @@ from .backends import make_engine
 from .bundle import Bundle, load_bundle
 from .drafters import ModelDrafter, NgramDrafter
 from .errors import InputError
-from .loop import DraftLength, Stats, decode
+from .loop import DraftLength, PromptCache, Stats, decode
 from .sampling import SamplingParams
 from .stops import StopMatcher
 from .tokenizer import TextStream, Tokenizer
@@ -82,10 +82,16 @@ class Session:
     """
 
     def __init__(
-        self, bundle: str | Path | Bundle, threads: int | None = None, verify: bool = True, backend: str = "ort"
+        self, bundle: str | Path | Bundle, threads: int | None = None, verify: bool = True, backend: str = "ort",
+        prompt_cache: bool = True,
     ):
+        """`prompt_cache`: a generation whose prompt begins with tokens the KV buffers already
+        hold (the previous prompt and answer: a chat's system prompt, its earlier turns)
+        prefills only the rest (`Stats.cached_tokens` counts the reused ones). Off, every
+        prompt is prefilled whole: what a benchmark comparing runs of one prompt wants."""
         self.bundle = bundle if isinstance(bundle, Bundle) else load_bundle(bundle, verify=verify)
         b = self.bundle
+        self.cache = PromptCache(b.max_seq) if prompt_cache else None
         self.tokenizer = Tokenizer(b.file(b.tokenizer["file"]), b.tokenizer)
         target_spec = b.model("target")
         self.backend = backend
@@ -107,6 +113,7 @@ class Session:
         twin = object.__new__(Session)
         twin.__dict__.update(self.__dict__)
         twin.target = self.target.fork()
+        twin.cache = PromptCache(self.bundle.max_seq) if self.cache is not None else None
         if isinstance(self.drafter, ModelDrafter):
             twin.drafter = ModelDrafter(self.drafter.engine.fork())
         elif isinstance(self.drafter, NgramDrafter):
@@ -192,7 +199,8 @@ class Session:
             raise InputError("this session is already generating; use one session per request (see SessionPool)")
         stats = Stats()
         rounds = decode(
-            self.target, drafter, ids, max_new_tokens, lengths, self.eos_token_ids, self.bundle.prefill_chunk, params, stats
+            self.target, drafter, ids, max_new_tokens, lengths, self.eos_token_ids, self.bundle.prefill_chunk, params, stats,
+            self.cache,
         )
         stops = StopMatcher(list(stop))
 

@@ -46,6 +46,7 @@ class OrtEngine:
         self.name = f"{spec.role} ({graph_path.name})"
         self.max_seq = max_seq
         self.vocab_size = spec.vocab_size
+        self.runs = 0  # passes begun: a prompt prefix cache trusts the KV only if nobody else ran one
         self.session = session or ort.InferenceSession(
             str(graph_path), session_options(threads, spec.role != "draft" if spinning is None else spinning),
             providers=["CPUExecutionProvider"],
@@ -75,6 +76,7 @@ class OrtEngine:
         The returned array is this engine's buffer for T: valid until the next pass of
         the same T.
         """
+        self.runs += 1
         token_ids = np.asarray(token_ids, dtype=np.int64)
         check_pass(self.name, token_ids, start, self.max_seq, self.vocab_size)
         t = token_ids.shape[0]

@@ -122,6 +122,7 @@ class TorchEngine:
         self.spec = spec
         self.name = f"{spec.role} (torch)"
         self.max_seq = max_seq
+        self.runs = 0  # passes begun (see OrtEngine.runs)
         self.vocab_size = spec.vocab_size
         self.device = torch.device(device) if device is not None else next(graph.parameters()).device
         cuda = self.device.type == "cuda"
@@ -199,6 +200,7 @@ class TorchEngine:
         The returned array is this engine's buffer for T: valid until the next pass of
         the same T (on a CPU, a fresh array).
         """
+        self.runs += 1
         token_ids = np.asarray(token_ids, dtype=np.int64)
         check_pass(self.name, token_ids, start, self.max_seq, self.vocab_size)
         t = token_ids.shape[0]
@@ -301,6 +303,7 @@ class TorchEngine:
         device memory. Returns, on the host after the round's one synchronisation: greedy,
         (drafts, the target's argmax for each of the k+1 rows); with `draft_probs` (a sampled
         chain), (drafts, draft_probs [k, V], the target's logits [k+1, V])."""
+        self.runs += 1
         k = drafts.shape[0]
         t = k + 1
         check_pass(self.name, np.array([last], dtype=np.int64), start, self.max_seq - k, self.vocab_size)

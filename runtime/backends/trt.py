@@ -199,6 +199,7 @@ class TrtEngine:
         self.entry = entry
         self.name = f"{spec.role} ({self.plan_path.name})"
         self.max_seq = max_seq
+        self.runs = 0  # passes begun (see OrtEngine.runs)
         self.vocab_size = spec.vocab_size
         self.length_bucket = length_bucket
         self._modules = modules or import_modules()
@@ -317,6 +318,7 @@ class TrtEngine:
 
         The returned array views this engine's pinned host buffer: valid until the next pass.
         """
+        self.runs += 1
         token_ids = np.asarray(token_ids, dtype=np.int64)
         check_pass(self.name, token_ids, start, self.max_seq, self.vocab_size)
         t = token_ids.shape[0]
@@ -451,6 +453,7 @@ class TrtEngine:
         With `draft_probs` (a sampled chain): one plain pass; returns (drafts, draft_probs,
         the target's logits [k+1, V] float32).
         """
+        self.runs += 1
         k = chain.tokens.shape[0]
         if draft_probs is not None:
             logits = self.forward(np.concatenate([[last], chain.tokens]).astype(np.int64), start)
