@@ -2,14 +2,15 @@
 
     pip install llama-cpp-python      # optional: it compiles llama.cpp (minutes)
     python benchmarks/llamacpp.py engines/smollm2-int4 [engines/smollm2-int8 ...] [--gguf FILE]
-        [--prompts FILE] [--max-new-tokens N] [--repeats R] [--threads N] [--json OUT]
+        [--prompts FILE] [--max-new-tokens N] [--repeats R] [--threads N] [--prompt-cache] [--json OUT]
 
 For every prompt (our chat template applied; llama.cpp gets the very same token ids), one
 repeat runs, in this order: llama.cpp plain, llama.cpp prompt-lookup speculation
 (LlamaPromptLookupDecoding), then for each bundle ours plain and ours speculative (the
 bundle's draft, draft length auto). Greedy everywhere. tokens/s = new tokens / wall time
-from the call to the last token (prompt processing included, on both sides), median over
-repeats, then over prompts. Each speculative output is compared with its own plain one.
+from the call to the last token (the whole prompt processed on both sides: llama.cpp's
+cache of the previous call's prompt is reset before each call; with --prompt-cache both
+sides reuse the prefix the previous call shared), median over repeats, then over prompts. Each speculative output is compared with its own plain one.
 """
 from __future__ import annotations
 
@@ -26,7 +27,13 @@ from specdeploy.runtime.bench import read_prompts
 HERE = Path(__file__).parent
 
 
-def llama_generate(llm, ids: list[int], max_new_tokens: int, eos: set[int]) -> tuple[list[int], float]:
+def llama_generate(llm, ids: list[int], max_new_tokens: int, eos: set[int], keep_cache: bool) -> tuple[list[int], float]:
+    """llama.cpp's greedy tokens for `ids`, and the seconds they took, prompt processing
+    included. llama-cpp-python keeps the previous call's KV cache and skips the prompt
+    prefix it shares with the new one (a repeat, or the chat template's system prompt);
+    unless `keep_cache`, `reset()` forgets it and llama.cpp processes the whole prompt."""
+    if not keep_cache:
+        llm.reset()
     t0 = time.perf_counter()
     out: list[int] = []
     for token in llm.generate(ids, top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0, reset=True):
@@ -45,6 +52,9 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--lookup-tokens", type=int, default=10, help="llama.cpp prompt-lookup draft length")
+    ap.add_argument("--prompt-cache", action="store_true",
+                    help="both sides reuse the K/V of the prompt prefix the previous call shared (llama-cpp-python's "
+                         "default, our Session's prompt cache); default: both process every prompt whole")
     ap.add_argument("--json")
     args = ap.parse_args()
     try:
@@ -57,7 +67,10 @@ def main() -> None:
 
         args.gguf = str(embedded_default())
     prompts = read_prompts(Path(args.prompts))  # a backslash-n inside a line is a newline
-    sessions = {path: Session(path, threads=args.threads) for path in args.bundles}
+    sessions = {path: Session(path, threads=args.threads, prompt_cache=args.prompt_cache) for path in args.bundles}
+    # Plain and speculative runs get a session each (one set of weights), as llama.cpp's plain and
+    # lookup runs get a Llama each: with --prompt-cache each side reuses only its own previous call.
+    spec_sessions = {path: session.fork() for path, session in sessions.items()}
     first = next(iter(sessions.values()))
     ctx = first.bundle.max_seq
     common = dict(n_ctx=ctx, n_threads=args.threads, n_threads_batch=args.threads, verbose=False, seed=0)
@@ -76,14 +89,14 @@ def main() -> None:
         ids = first.encode(prompt, chat=True)
         runs: dict[str, list[float]] = {n: [] for n in names}
         for _ in range(args.repeats):
-            ref, s = llama_generate(plain_llm, ids, args.max_new_tokens, eos)
+            ref, s = llama_generate(plain_llm, ids, args.max_new_tokens, eos, args.prompt_cache)
             runs["llama.cpp plain"].append(len(ref) / s)
-            look, s = llama_generate(lookup_llm, ids, args.max_new_tokens, eos)
+            look, s = llama_generate(lookup_llm, ids, args.max_new_tokens, eos, args.prompt_cache)
             runs["llama.cpp lookup"].append(len(look) / s)
             outputs = {}
             for path, session in sessions.items():
                 plain = session.generate(prompt_ids=ids, max_new_tokens=args.max_new_tokens, speculate=False)
-                spec = session.generate(prompt_ids=ids, max_new_tokens=args.max_new_tokens, draft_len="auto")
+                spec = spec_sessions[path].generate(prompt_ids=ids, max_new_tokens=args.max_new_tokens, draft_len="auto")
                 runs[f"{path} plain"].append(plain.stats.tokens_per_second)
                 runs[f"{path} spec"].append(spec.stats.tokens_per_second)
                 outputs[path] = (plain.token_ids, spec.token_ids, spec.stats)
@@ -104,7 +117,8 @@ def main() -> None:
 
     base = statistics.median(tps["llama.cpp plain"])
     summary = {}
-    print(f"\n{len(prompts)} prompts, {args.max_new_tokens} new tokens max, {args.threads} threads, median of {args.repeats}")
+    cache = "prompt prefixes cached on both sides" if args.prompt_cache else "every prompt processed whole"
+    print(f"\n{len(prompts)} prompts, {args.max_new_tokens} new tokens max, {args.threads} threads, median of {args.repeats}, {cache}")
     print(f"{'engine':50s} {'tok/s':>8s} {'vs llama.cpp':>13s}  output")
     for n in names:
         med = statistics.median(tps[n])
@@ -118,7 +132,7 @@ def main() -> None:
         print(f"{n:50s} {med:8.1f} {med / base:12.2f}x  {check}")
     if args.json:
         meta = {"gguf": args.gguf, "threads": args.threads, "repeats": args.repeats, "max_new_tokens": args.max_new_tokens,
-                "llama_cpp_python": llama_cpp.__version__, "prompts": len(prompts)}
+                "llama_cpp_python": llama_cpp.__version__, "prompts": len(prompts), "prompt_cache": args.prompt_cache}
         Path(args.json).write_text(json.dumps({"meta": meta, "summary": summary, "rows": rows}, indent=2) + "\n")
 
 
