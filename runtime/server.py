@@ -224,7 +224,8 @@ def _start(pool: SessionPool, req: dict):
 
 def _usage(stats) -> dict:
     return {"prompt_tokens": stats.prompt_tokens, "completion_tokens": stats.new_tokens,
-            "total_tokens": stats.prompt_tokens + stats.new_tokens}
+            "total_tokens": stats.prompt_tokens + stats.new_tokens,
+            "prompt_tokens_details": {"cached_tokens": stats.cached_tokens}}  # reused from the prompt cache
 
 
 def _sse(gen, base: dict, chat: bool, done):

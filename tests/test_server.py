@@ -90,6 +90,16 @@ def test_completion_equals_session_output(server, reference):
     assert out["usage"]["completion_tokens"] == out["specdeploy"]["new_tokens"]
 
 
+def test_a_repeated_chat_prompt_reports_its_cached_tokens(server):
+    # Two sessions serve in turn: by the third request one of them holds the prompt already.
+    body = {"messages": [{"role": "user", "content": PROMPTS[3]}], "max_tokens": 16, "temperature": 0}
+    outs = [httpx.post(server.url + "/v1/chat/completions", json=body).json() for _ in range(3)]
+    assert len({o["choices"][0]["message"]["content"] for o in outs}) == 1
+    prompt = outs[0]["usage"]["prompt_tokens"]
+    cached = [o["usage"]["prompt_tokens_details"]["cached_tokens"] for o in outs]
+    assert cached[2] == prompt - 1
+
+
 def test_streaming_completion_and_chat(server, reference):
     body = {"prompt": PROMPTS[1], "max_tokens": 24, "temperature": 0, "stream": True}
     with httpx.stream("POST", server.url + "/v1/completions", json=body) as r:
