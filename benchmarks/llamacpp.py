@@ -10,7 +10,8 @@ repeat runs, in this order: llama.cpp plain, llama.cpp prompt-lookup speculation
 bundle's draft, draft length auto). Greedy everywhere. tokens/s = new tokens / wall time
 from the call to the last token (the whole prompt processed on both sides: llama.cpp's
 cache of the previous call's prompt is reset before each call; with --prompt-cache both
-sides reuse the prefix the previous call shared), median over repeats, then over prompts. Each speculative output is compared with its own plain one.
+sides reuse the prefix the previous call shared), median over repeats, then over
+prompts. Each speculative output is compared with its own plain one.
 """
 from __future__ import annotations
 
