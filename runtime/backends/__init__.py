@@ -14,6 +14,8 @@ import numpy as np
 class Engine(Protocol):
     max_seq: int
     vocab_size: int
+    runs: int  # passes begun, counted before each one runs: the prompt cache and a model
+    # drafter trust what the KV buffers hold only while this is unchanged since they wrote it
 
     def forward(self, token_ids: np.ndarray, start: int) -> np.ndarray:
         """token_ids [T] int64 at positions start..start+T-1 -> logits [T, V] float32."""
