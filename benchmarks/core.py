@@ -92,7 +92,7 @@ def _run(session, path, prompts, draft_len, args, hf, report):
         print(json.dumps(row), file=sys.stderr)
     drafted = sum(r["drafted"] for r in rows)
     summary = {
-        "draft": session.bundle.manifest["draft"],
+        "draft": session.bundle.draft.as_dict(),
         "draft_len": draft_len,
         "temperature": args.temperature,
         "mean_draft_len": statistics.mean(r["mean_draft_len"] for r in rows),

@@ -37,7 +37,7 @@ from torch import nn
 
 from specdeploy.export.distill import DistillSettings, answer, generate_data
 from specdeploy.export.load import embedded_default, load_source
-from specdeploy.runtime.bench import read_prompts
+from specdeploy.runtime.bench.inputs import read_prompts
 
 HERE = Path(__file__).parent
 VOCAB = 8192

@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 from specdeploy.runtime import Session
-from specdeploy.runtime.bench import read_prompts
+from specdeploy.runtime.bench.inputs import read_prompts
 
 HERE = Path(__file__).parent
 

@@ -105,7 +105,7 @@ def main() -> None:
     args = ap.parse_args()
     bundle = load_bundle(args.bundle)
     spec = bundle.model("target")
-    dtype = bundle.manifest["models"]["target"].get("dtype")
+    dtype = bundle.model("target").dtype
     if dtype != "int4":
         raise SystemExit(f"{args.bundle}: the target is {dtype}; this measures an int4 graph")
     with tempfile.TemporaryDirectory() as tmp:

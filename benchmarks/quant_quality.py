@@ -68,7 +68,7 @@ def main() -> None:
             prefixes.append(n)
         lp = log_probs(session, text_ids)
         kl = float((np.exp(ref_lp) * (ref_lp - lp)).sum(-1).mean())
-        dtype = session.bundle.manifest["models"]["target"]["dtype"]
+        dtype = session.bundle.model("target").dtype
         row = {
             "bundle": path, "dtype": dtype,
             "exact_match": sum(a == b for a, b in zip(ref_out, outs)) / len(prompts),

@@ -52,7 +52,7 @@ def main() -> int:
     from specdeploy.export.trt_build import build_engines
     from specdeploy.export.trt_ops import check_bundle
     from specdeploy.runtime import load_bundle
-    from specdeploy.runtime.backends.trt import Cuda, import_modules
+    from specdeploy.runtime.backends.cuda import Cuda, import_modules
 
     report: dict = {"bundle": args.bundle, "checks": {}}
     failures: list[str] = []
@@ -70,7 +70,7 @@ def main() -> int:
     report.update(tensorrt=trt.__version__, gpu=gpu, compute_capability=cc)
     print(f"\nTensorRT {trt.__version__} on {gpu} (compute capability {cc})")
     bundle = load_bundle(args.bundle, verify=False)  # plans may be missing: then they are built
-    entries = [m.get("trt") for m in bundle.manifest["models"].values()]
+    entries = [m.trt for m in bundle.manifest.models.values()]
     current = all(e and (e["tensorrt_version"], e["gpu_name"], e["compute_capability"]) == (trt.__version__, gpu, cc)
                   and bundle.file(e["plan"]).is_file() for e in entries)
     if args.rebuild or not current:
@@ -79,7 +79,7 @@ def main() -> int:
         report["build_seconds"] = round(time.perf_counter() - t0, 1)
     bundle = load_bundle(args.bundle)  # every sha256, the plans' included
 
-    roles = list(bundle.manifest["models"])
+    roles = list(bundle.manifest.models)
     report["checks"]["parity"] = {}
     print("\n## parity against ONNX Runtime (same passes, same inputs)\n")
     print("| model | dtype | passes | max rel. logit diff | bound | argmax rows differing |")
@@ -136,7 +136,7 @@ def _parity(bundle, role, args) -> dict:
     from specdeploy.export.onnx_export import parity_schedule
 
     trt_engine, ort_engine = _engines(bundle, role)
-    dtype = bundle.manifest["models"][role]["dtype"]
+    dtype = bundle.model(role).dtype
     bound = args.parity_bound or (1e-3 if dtype == "fp32" else 5e-2)
     schedule = parity_schedule(bundle.max_seq, bundle.max_draft, bundle.prefill_chunk)
     total = sum(t for _, t in schedule)
@@ -154,8 +154,10 @@ def _parity(bundle, role, args) -> dict:
 
 
 def _decode(target, drafter, ids, k, args, bundle, stats=None):
-    from specdeploy.runtime.loop import DraftLength, Stats, decode
+    from specdeploy.runtime.loop import decode
+    from specdeploy.runtime.policy import DraftLength
     from specdeploy.runtime.sampling import SamplingParams
+    from specdeploy.runtime.stats import Stats
 
     out = decode(target, drafter, ids, args.max_new_tokens, DraftLength(bundle.max_draft, fixed=k), [],
                  bundle.prefill_chunk, SamplingParams(), Stats() if stats is None else stats)
@@ -164,10 +166,10 @@ def _decode(target, drafter, ids, k, args, bundle, stats=None):
 
 def _round_syncs(bundle, args) -> dict:
     from specdeploy.runtime.drafters import ModelDrafter
-    from specdeploy.runtime.loop import Stats
+    from specdeploy.runtime.stats import Stats
     from specdeploy.runtime.tokenizer import Tokenizer
 
-    tok = Tokenizer(bundle.file(bundle.tokenizer["file"]), bundle.tokenizer)
+    tok = Tokenizer(bundle.file(bundle.tokenizer.file), bundle.tokenizer)
     prompt = next(p for p in Path(args.prompts).read_text().splitlines() if p.strip())
     ids = np.asarray(tok.encode_chat(prompt), dtype=np.int64)
     target, drafter, k = _engines(bundle, "target")[0], ModelDrafter(_engines(bundle, "draft")[0]), min(4, bundle.max_draft)
@@ -184,21 +186,20 @@ def _round_syncs(bundle, args) -> dict:
 
 
 def _tokens(bundle, args) -> dict:
-    from specdeploy.runtime.drafters import ModelDrafter, NgramDrafter
+    from specdeploy.runtime.drafters import ModelDrafter, drafter_class
     from specdeploy.runtime.tokenizer import Tokenizer
 
-    tok = Tokenizer(bundle.file(bundle.tokenizer["file"]), bundle.tokenizer)
+    tok = Tokenizer(bundle.file(bundle.tokenizer.file), bundle.tokenizer)
     prompts = [p for p in Path(args.prompts).read_text().splitlines() if p.strip()][: args.limit]
     target, ort_target = _engines(bundle, "target")
-    drafter, k = None, min(4, bundle.max_draft)
-    if bundle.draft_kind in ("model", "self"):
+    k = min(4, bundle.max_draft)
+    if bundle.model("draft") is not None:
         drafter = ModelDrafter(_engines(bundle, "draft")[0])
-    elif bundle.draft_kind == "ngram":
-        cfg = bundle.manifest["draft"]
-        drafter = NgramDrafter(cfg.get("max_ngram", 3), cfg.get("min_ngram", 1))
+    else:  # model-free (or none): no engine to build
+        drafter = drafter_class(bundle.draft_kind).from_bundle(bundle, "ort", None)
     # Across backends the kernels differ, so equal tokens are expected at fp32 (built without
     # TF32) and only reported at fp16; within TensorRT, speculation is lossless: strict.
-    checks = {"TensorRT plain == ONNX Runtime plain": bundle.manifest["models"]["target"]["dtype"] == "fp32"}
+    checks = {"TensorRT plain == ONNX Runtime plain": bundle.model("target").dtype == "fp32"}
     if drafter is not None:
         checks[f"TensorRT speculative (k={k}) == TensorRT plain"] = True
     results = {name: {"strict": strict, "equal": 0, "prompts": len(prompts), "first_difference": None}

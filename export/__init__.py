@@ -8,7 +8,9 @@ from importlib import import_module
 
 _NAMES = {
     "build_bundle": ".build",
-    "parse_draft": ".build",
+    "parse_draft": ".drafts",
+    "rebuild_graph": ".build",
+    "source_graph": ".build",
     "Source": ".load",
     "embedded_default": ".load",
     "load_source": ".load",

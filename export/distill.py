@@ -31,7 +31,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from specdeploy.runtime.errors import ExportError
+from specdeploy.core.errors import ExportError
 
 from .distill_data import training_prompts
 from .load import Source, eos_token_ids, load_source

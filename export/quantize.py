@@ -33,7 +33,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from specdeploy.runtime.errors import ExportError
+from specdeploy.core.errors import ExportError
 
 from .contrib import contrib, register_schema
 

@@ -11,7 +11,6 @@ TensorRT is imported only when an engine is built.
 """
 from __future__ import annotations
 
-import json
 import os
 import re
 import time
@@ -20,9 +19,9 @@ from typing import Callable
 
 import numpy as np
 
-from specdeploy.runtime.backends.trt_layout import ARGMAX, Profile, profiles_for
-from specdeploy.runtime.bundle import MANIFEST, load_bundle, sha256_file
-from specdeploy.runtime.errors import ExportError, InputError
+from specdeploy.core.errors import BundleError, ExportError, InputError
+from specdeploy.core.manifest import Manifest, load_bundle, sha256_file, verify_files, write_manifest
+from specdeploy.core.trt_profiles import ARGMAX, Profile, profiles_for
 
 from .trt_ops import check_bundle
 
@@ -30,16 +29,17 @@ from .trt_ops import check_bundle
 MIN_TENSORRT = (10, 15)
 
 
-def build_profiles(manifest: dict) -> list[Profile]:
+def build_profiles(manifest: Manifest) -> list[Profile]:
     """The optimization profiles a bundle's engines get: a draft step (T = 1), a verify pass
     (T up to max_draft + 1) and a prefill chunk (T up to prefill_chunk), L up to max_seq."""
-    return profiles_for(manifest["max_seq"], manifest["max_draft"], manifest["prefill_chunk"])
+    return profiles_for(manifest.max_seq, manifest.max_draft, manifest.prefill_chunk)
 
 
-def profile_shapes(manifest: dict) -> list[dict[str, tuple]]:
+def profile_shapes(manifest: Manifest) -> list[dict[str, tuple]]:
     """Per profile, {input name: (min, opt, max)}, exactly as passed to `set_shape`.
 
-    >>> profile_shapes({"max_seq": 128, "max_draft": 4, "prefill_chunk": 16})[0]["attention_mask"]
+    >>> from types import SimpleNamespace  # the three fields of a Manifest it reads
+    >>> profile_shapes(SimpleNamespace(max_seq=128, max_draft=4, prefill_chunk=16))[0]["attention_mask"]
     ((1, 1, 1, 1), (1, 1, 1, 64), (1, 1, 1, 128))
     """
     return [p.shapes() for p in build_profiles(manifest)]
@@ -66,7 +66,7 @@ def version_tuple(version: str) -> tuple[int, ...]:
 
 
 def _import_tensorrt():
-    from specdeploy.runtime.backends.trt import import_modules
+    from specdeploy.runtime.backends.cuda import import_modules
 
     try:
         trt, cudart = import_modules("`specdeploy build`")
@@ -153,7 +153,7 @@ def build_engines(
     timing_cache: str | Path | None = None,
     log: Callable[[str], None] = lambda _: None,
     modules=None,
-) -> dict:
+) -> Manifest:
     """Build one TensorRT engine per model of the bundle (or per `roles`), write `<role>.plan`
     beside the ONNX, record each under models[role]["trt"] with the TensorRT version, GPU name
     and compute capability, add the plans' sha256 to manifest["files"]; returns the manifest."""
@@ -168,10 +168,10 @@ def build_engines(
             f"(see `specdeploy check-trt {bundle_dir}`)"
         )
     trt, cudart = modules or _import_tensorrt()
-    from specdeploy.runtime.backends.trt import Cuda
+    from specdeploy.runtime.backends.cuda import Cuda
 
     gpu_name, cc = Cuda(cudart).device()
-    roles = list(manifest["models"]) if roles is None else roles
+    roles = list(manifest.models) if roles is None else roles
     cache_path = Path(timing_cache) if timing_cache is not None else default_timing_cache(bundle_dir)
     profiles = build_profiles(manifest)
     logger = trt.Logger(trt.Logger.WARNING)
@@ -179,18 +179,18 @@ def build_engines(
     cache = None
     constants: list[np.ndarray] = []  # weights TensorRT reads when it builds, kept until then
     for role in roles:
-        entry = manifest["models"].get(role)
+        entry = manifest.models.get(role)
         if entry is None:
-            raise ExportError(f"{bundle_dir}: no {role} model in the manifest (it has {', '.join(manifest['models'])})")
-        onnx_path = bundle.file(entry["graph"])
+            raise ExportError(f"{bundle_dir}: no {role} model in the manifest (it has {', '.join(manifest.models)})")
+        onnx_path = bundle.file(entry.graph)
         t0 = time.perf_counter()
-        log(f"  {role}: parsing {onnx_path.name} (dtype {entry['dtype']}; the engine keeps the ONNX's types)")
+        log(f"  {role}: parsing {onnx_path.name} (dtype {entry.dtype}; the engine keeps the ONNX's types)")
         network, _parser = _parse(trt, builder, logger, onnx_path)
-        constants += add_argmax_output(trt, network, entry["vocab_size"])
+        constants += add_argmax_output(trt, network, entry.vocab_size)
         config = builder.create_builder_config()
         workspace = int(workspace_gb * (1 << 30))
         config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, workspace)
-        tf32 = entry["dtype"] != "fp32"
+        tf32 = entry.dtype != "fp32"
         if not tf32:
             # An fp32 bundle asks for fp32 arithmetic; BuilderFlag.TF32 is "enabled by default" and
             # would round matmul inputs to 10-bit mantissas (NvInfer.h, BuilderFlag::kTF32, 10.15 and 11.1).
@@ -207,7 +207,7 @@ def build_engines(
             raise ExportError(f"{onnx_path}: TensorRT could not build an engine (see its log above)")
         plan_path = bundle.file(plan_file(role))
         _write_atomic(plan_path, plan)
-        entry["trt"] = {
+        record = {
             "plan": plan_path.name,
             "tensorrt_version": trt.__version__,
             "gpu_name": gpu_name,
@@ -217,29 +217,30 @@ def build_engines(
             "tf32": tf32,  # whether fp32 tensors may use TF32 math
             "workspace_bytes": workspace,
             "profiles": [p.as_dict() for p in profiles],
-            "onnx_sha256": manifest["files"][entry["graph"]],
+            "onnx_sha256": manifest.files[entry.graph],
             "timing_cache": str(cache_path),
             "build_seconds": round(time.perf_counter() - t0, 1),
         }
-        manifest["files"][plan_path.name] = sha256_file(plan_path)
-        log(f"  {role}: {plan_path.name} written in {entry['trt']['build_seconds']:.0f}s")
+        manifest = manifest.replace(
+            models={**manifest.models, role: entry.replace(trt=record)},
+            files={**manifest.files, plan_path.name: sha256_file(plan_path)},
+        )
+        log(f"  {role}: {plan_path.name} written in {record['build_seconds']:.0f}s")
     if cache is not None:
         _write_atomic(cache_path, cache.serialize())
-    manifest["files"] = dict(sorted(manifest["files"].items()))
-    _write_atomic(bundle_dir / MANIFEST, (json.dumps(manifest, indent=2) + "\n").encode())
+    write_manifest(bundle_dir, manifest)
     return manifest
 
 
 def _verify_sources(bundle) -> None:
     """Check every file's sha256 but the engines', which are about to be rebuilt (a missing or
     stale plan is a reason to build, not an error)."""
-    plans = {m["trt"]["plan"] for m in bundle.manifest["models"].values() if "trt" in m}
-    for name, expected in bundle.manifest["files"].items():
-        path = bundle.file(name)
-        if name in plans:
-            continue
-        if not path.is_file() or sha256_file(path) != expected:
-            raise ExportError(f"bundle file {path} is missing or altered since export; re-export the bundle")
+    plans = {m.trt["plan"] for m in bundle.manifest.models.values() if m.trt}
+    files = {name: sha for name, sha in bundle.manifest.files.items() if name not in plans}
+    try:
+        verify_files(bundle.path, files)
+    except BundleError as e:
+        raise ExportError(str(e)) from None
 
 
 def _write_atomic(path: Path, data) -> None:

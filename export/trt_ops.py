@@ -388,16 +388,16 @@ def check_bundle(bundle_dir: str | Path, table: OpTable | None = None) -> list[P
     """`check_graph` over every graph in the bundle's manifest, plus the KV contract TensorRT
     relies on: each manifest alias (present_* -> past_*) is a TensorScatter writing that very
     input, so `engine.get_aliased_input_tensor` will name the buffer the runtime binds to both."""
-    from specdeploy.runtime.bundle import load_bundle
+    from specdeploy.core.manifest import load_bundle
 
     table = table or load_table()
     bundle = load_bundle(bundle_dir, verify=False)
     problems: list[Problem] = []
-    for role, entry in bundle.manifest["models"].items():
-        path = bundle.file(entry["graph"])
+    for role, entry in bundle.manifest.models.items():
+        path = bundle.file(entry.graph)
         found, writes = _check_model(_load(path), table, path.name)
         problems += found
-        for output, cache in entry.get("kv_aliases", {}).items():
+        for output, cache in entry.kv_aliases.items():
             if writes.get(output) != cache:
                 got = f"TensorScatter writes {writes[output]!r}" if output in writes else "no TensorScatter produces it"
                 problems.append(Problem(

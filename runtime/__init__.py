@@ -7,9 +7,9 @@
 
 Imports numpy, onnxruntime and tokenizers only; never torch or transformers.
 """
-from .bundle import Bundle, load_bundle
-from .errors import BundleError, ExportError, InputError, SpecdeployError
-from .loop import Stats
+from specdeploy.core.manifest import Bundle, load_bundle
+from specdeploy.core.errors import BundleError, ExportError, InputError, SpecdeployError
+from .stats import Stats
 from .pool import Overloaded, SessionPool
 from .session import Generation, Piece, Result, Session
 

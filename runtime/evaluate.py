@@ -51,7 +51,7 @@ def greedy_contract(session: Session, prompts: list[str], max_new_tokens: int, d
 def sampling_contract(session: Session, prompt: str, params: SamplingParams, samples: int, alpha: float) -> dict:
     """Chi-square of the first token's distribution; samples generate 2 tokens so that the
     first passes through the rejection sampler whenever the drafter proposes."""
-    from .errors import InputError
+    from specdeploy.core.errors import InputError
 
     ids = session.encode(prompt, chat=True)
     exact = warp(_target_logits_after(session, ids), params)

@@ -11,7 +11,7 @@ import queue
 import threading
 from pathlib import Path
 
-from .errors import SpecdeployError
+from specdeploy.core.errors import SpecdeployError
 from .session import Generation, Result, Session
 
 

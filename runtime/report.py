@@ -1,8 +1,8 @@
 """Human-readable views of bundles and runs."""
 from __future__ import annotations
 
-from .bundle import Bundle
-from .loop import Stats
+from specdeploy.core.manifest import FORMAT, FORMAT_VERSION, Bundle
+from .stats import Stats
 
 
 def _mib(n_bytes: int) -> str:
@@ -10,32 +10,27 @@ def _mib(n_bytes: int) -> str:
 
 
 def describe(bundle: Bundle) -> str:
+    from .drafters import drafter_class
+
     m = bundle.manifest
     lines = [
         f"bundle      {bundle.path}",
-        f"format      {m['format']} v{m['format_version']}, {m['created_by']}, {m.get('created_at', '?')}",
-        f"sequence    max {m['max_seq']} tokens (prompt + new), draft up to {m['max_draft']} per round, "
-        f"prefill chunk {m['prefill_chunk']}",
+        f"format      {FORMAT} v{FORMAT_VERSION}, {m.created_by}, {m.created_at or '?'}",
+        f"sequence    max {m.max_seq} tokens (prompt + new), draft up to {m.max_draft} per round, "
+        f"prefill chunk {m.prefill_chunk}",
+        f"draft       {m.draft.kind}: {drafter_class(m.draft.kind).describe(m.draft)}",
     ]
-    draft = m["draft"]
-    detail = {
-        "model": f"a separate model ({draft.get('source')})",
-        "self": f"the target's first {draft.get('layers')} layers + its norm and head",
-        "ngram": f"prompt lookup, n-grams {draft.get('max_ngram')}..{draft.get('min_ngram')}, no graph",
-        "none": "none (plain decoding only)",
-    }[draft["kind"]]
-    lines.append(f"draft       {draft['kind']}: {detail}")
-    for role, e in m["models"].items():
-        size = (bundle.path / e["graph"]).stat().st_size if (bundle.path / e["graph"]).exists() else 0
+    for role, e in m.models.items():
+        size = (bundle.path / e.graph).stat().st_size if (bundle.path / e.graph).exists() else 0
         lines += [
-            f"{role:<11} {e['graph']} ({_mib(size)}): {e['architecture']}, {e['num_layers']}/{e['source_layers']} layers, "
-            f"hidden {e['hidden_size']}, heads {e['num_heads']} (kv {e['num_kv_heads']}) x {e['head_dim']}, "
-            f"vocab {e['vocab_size']}, {e['parameters'] / 1e6:.1f}M parameters, {e['dtype']}",
-            f"            KV: {2 * e['num_layers']} buffers [1, {e['num_kv_heads']}, {m['max_seq']}, {e['head_dim']}] "
-            f"{e['kv_dtype']}, written in place"
-            + (f", sliding window {e['sliding_window']}" if e.get("sliding_window") else ""),
+            f"{role:<11} {e.graph} ({_mib(size)}): {e.architecture}, {e.num_layers}/{e.source_layers} layers, "
+            f"hidden {e.hidden_size}, heads {e.num_heads} (kv {e.num_kv_heads}) x {e.head_dim}, "
+            f"vocab {e.vocab_size}, {e.parameters / 1e6:.1f}M parameters, {e.dtype}",
+            f"            KV: {2 * e.num_layers} buffers [1, {e.num_kv_heads}, {m.max_seq}, {e.head_dim}] "
+            f"{e.kv_dtype}, written in place"
+            + (f", sliding window {e.sliding_window}" if e.sliding_window else ""),
         ]
-        q = e.get("quantization")
+        q = e.quantization
         if q:
             tensors = ", ".join(f"{n} {k}" for k, n in q["tensors"].items())
             lines.append(
@@ -44,7 +39,7 @@ def describe(bundle: Bundle) -> str:
                 f"({q['imported_exactly']} imported exactly, {q['quantized_from_float']} quantized from float); "
                 "the parameter count above is the float ones"
             )
-        p = e.get("parity")
+        p = e.parity
         if p:
             src = p.get("max_rel_diff_eager_vs_source")
             lines.append(
@@ -52,12 +47,12 @@ def describe(bundle: Bundle) -> str:
                 + (f", eager vs source {src:.1e}" if src is not None else "")
                 + f" (bound {p['bound']:.2g}, relative to the largest logit)"
             )
-        lines.append(f"            source: {e['source']}")
-    tok = m["tokenizer"]
+        lines.append(f"            source: {e.source}")
+    tok = m.tokenizer
     lines.append(
-        f"tokenizer   {tok['file']}, EOS ids {tok['eos_token_ids']}, chat template {'yes' if tok.get('chat_template') else 'no'}"
+        f"tokenizer   {tok.file}, EOS ids {tok.eos_token_ids}, chat template {'yes' if tok.chat_template else 'no'}"
     )
-    lines.append(f"files       {len(m['files'])} with sha256: {', '.join(m['files'])}")
+    lines.append(f"files       {len(m.files)} with sha256: {', '.join(m.files)}")
     return "\n".join(lines)
 
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .errors import InputError
+from specdeploy.core.errors import InputError
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from .errors import InputError, SpecdeployError
+from specdeploy.core.errors import InputError, SpecdeployError
 from .pool import Overloaded, SessionPool
 
 FINISH = {"eos": "stop", "stop": "stop", "length": "length", "cancelled": "stop", "": None}

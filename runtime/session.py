@@ -8,11 +8,14 @@ from typing import Iterator
 
 import numpy as np
 
+from specdeploy.core.errors import InputError
+from specdeploy.core.manifest import Bundle, load_bundle
+
 from .backends import make_engine
-from .bundle import Bundle, load_bundle
-from .drafters import ModelDrafter, NgramDrafter
-from .errors import InputError
-from .loop import DraftLength, PromptCache, Stats, decode
+from .drafters import make_drafter
+from .loop import PromptCache, decode
+from .policy import DraftLength
+from .stats import Stats
 from .sampling import SamplingParams
 from .stops import StopMatcher
 from .tokenizer import TextStream, Tokenizer
@@ -92,19 +95,10 @@ class Session:
         self.bundle = bundle if isinstance(bundle, Bundle) else load_bundle(bundle, verify=verify)
         b = self.bundle
         self.cache = PromptCache(b.max_seq) if prompt_cache else None
-        self.tokenizer = Tokenizer(b.file(b.tokenizer["file"]), b.tokenizer)
-        target_spec = b.model("target")
+        self.tokenizer = Tokenizer(b.file(b.tokenizer.file), b.tokenizer)
         self.backend = backend
-        self.target = make_engine(backend, b, target_spec, threads)
-        kind = b.draft_kind
-        if kind in ("model", "self"):
-            draft_spec = b.model("draft")
-            self.drafter = ModelDrafter(make_engine(backend, b, draft_spec, threads))
-        elif kind == "ngram":
-            cfg = b.manifest["draft"]
-            self.drafter = NgramDrafter(cfg.get("max_ngram", 3), cfg.get("min_ngram", 1))
-        else:
-            self.drafter = None
+        self.target = make_engine(backend, b, b.model("target"), threads)
+        self.drafter = make_drafter(b, backend, threads)
         self.eos_token_ids = self.tokenizer.eos_token_ids
         self._busy = threading.Lock()
 
@@ -114,21 +108,10 @@ class Session:
         twin.__dict__.update(self.__dict__)
         twin.target = self.target.fork()
         twin.cache = PromptCache(self.bundle.max_seq) if self.cache is not None else None
-        if isinstance(self.drafter, ModelDrafter):
-            twin.drafter = ModelDrafter(self.drafter.engine.fork())
-        elif isinstance(self.drafter, NgramDrafter):
-            twin.drafter = NgramDrafter(self.drafter.max_ngram, self.drafter.min_ngram)
+        twin.drafter = self.drafter.fork() if self.drafter is not None else None
         twin.eos_token_ids = list(self.eos_token_ids)
         twin._busy = threading.Lock()
         return twin
-
-    def static_cost_ratio(self) -> float:
-        """Draft step / verify pass before anything is measured: at batch 1 a pass costs
-        about what it reads, so the ratio of parameters; a model-free drafter costs ~0."""
-        draft = self.bundle.manifest["models"].get("draft")
-        if draft is None:
-            return 0.0
-        return draft["parameters"] / self.bundle.manifest["models"]["target"]["parameters"]
 
     # -- prompt handling -------------------------------------------------------------
     def encode(self, prompt: str, chat: bool = False) -> list[int]:
@@ -188,7 +171,8 @@ class Session:
         ids = np.asarray(self.encode(prompt, chat) if prompt is not None else prompt_ids, dtype=np.int64).reshape(-1)
         params = SamplingParams(temperature, top_k, top_p, seed)
         if draft_len in (None, "auto"):
-            lengths = DraftLength(self.bundle.max_draft, cost_ratio=self.static_cost_ratio(), measure=params.greedy)
+            cost = self.drafter.cost_ratio if self.drafter is not None else 0.0
+            lengths = DraftLength(self.bundle.max_draft, cost_ratio=cost, measure=params.greedy)
             k = self.bundle.max_draft
         else:
             k = _as_int(draft_len, "draft length")

@@ -2,20 +2,20 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 from tokenizers import Tokenizer as HFTokenizer
 
-from .errors import InputError
+from specdeploy.core.errors import InputError
+from specdeploy.core.manifest import TokenizerEntry
 
 
 class Tokenizer:
-    def __init__(self, path: Path, spec: dict[str, Any]):
+    def __init__(self, path: Path, spec: TokenizerEntry):
         self._tok = HFTokenizer.from_file(str(path))
-        self.eos_token_ids: list[int] = list(spec.get("eos_token_ids", []))
-        self.bos_token: str | None = spec.get("bos_token")
-        self.eos_token: str | None = spec.get("eos_token")
-        self.chat_template: str | None = spec.get("chat_template")
+        self.eos_token_ids: list[int] = list(spec.eos_token_ids)
+        self.bos_token: str | None = spec.bos_token
+        self.eos_token: str | None = spec.eos_token
+        self.chat_template: str | None = spec.chat_template
         self._template = None
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:

@@ -1,22 +1,23 @@
-"""bench: its arithmetic against values worked by hand, and a run on a tiny bundle."""
+"""bench: its arithmetic and the analytic model against values worked by hand, and a run on a
+tiny bundle whose prediction is recomputed here, by hand, from the fields it was made of."""
 import json
 import math
+from types import SimpleNamespace
 
 import pytest
 
+from specdeploy.core.analytic import acceptance_estimate, predicted_speedup, tokens_per_pass
+from specdeploy.core.errors import InputError
 from specdeploy.runtime.bench import (
-    acceptance_estimate,
     bench,
+    device_timers,
     format_report,
     inter_token_gaps,
     parse_draft_lens,
     percentile,
     plot,
-    predicted_speedup,
-    tokens_per_pass,
     write_json,
 )
-from specdeploy.runtime.errors import InputError
 from tiny import PROMPTS
 
 
@@ -43,6 +44,10 @@ def test_tokens_per_pass_and_predicted_speedup_by_hand():
     assert tokens_per_pass(0.0, 8) == 1 and predicted_speedup(0.0, 8, 0.1) == pytest.approx(1 / 1.8)
     # g = 0 is plain decoding
     assert predicted_speedup(0.7, 0, 0.3) == 1
+    # a mean draft length need not be whole: a = 0.5, g = 1.5: (1 - 0.5^2.5) / 0.5 = 2 - 2^-1.5
+    assert tokens_per_pass(0.5, 1.5) == pytest.approx(2 - 2 ** -1.5)  # 1.646447
+    # a verify pass that grows with T: g*c + 1 + growth*g = 0.2 + 1 + 0.1 = 1.3
+    assert predicted_speedup(0.5, 2, 0.1, verify_growth=0.05) == pytest.approx(1.75 / 1.3)
 
 
 def test_acceptance_estimate_by_hand():
@@ -73,6 +78,22 @@ def test_parse_draft_lens():
         parse_draft_lens("two", 8)
 
 
+def test_device_timers_turn_on_only_engines_that_declare_device_timing():
+    class Timed:  # the torch backend's shape: it declares `time_device`
+        def __init__(self, device):
+            self.device, self.time_device, self.stats = device, False, SimpleNamespace(device_seconds=0.0)
+
+    class Untimed:  # a CUDA engine without device timing (the TensorRT backend's shape)
+        device, stats = "cuda:0", {}
+
+    gpu, cpu = Timed("cuda:0"), Timed("cpu")
+    session = SimpleNamespace(target=gpu, drafter=SimpleNamespace(engine=cpu))
+    assert device_timers(session) == {"target": gpu} and gpu.time_device and not cpu.time_device
+    session = SimpleNamespace(target=Untimed(), drafter=SimpleNamespace(engine=None))  # a model-free drafter
+    assert device_timers(session) == {}
+    assert device_timers(SimpleNamespace(target=Timed("cuda:1"), drafter=None)).keys() == {"target"}
+
+
 def test_bench_on_a_tiny_bundle(bundles, tmp_path):
     report = bench(
         bundles("llama-model"), draft_lens="1,4,auto", prompts=PROMPTS[:2], max_new_tokens=12, repeats=2, threads=1
@@ -90,13 +111,19 @@ def test_bench_on_a_tiny_bundle(bundles, tmp_path):
         assert c["itl_ms_p90"] >= c["itl_ms_median"]
         assert c["identical"] == "4/4"  # greedy: every speculative run equals its plain run
         assert c["new_tokens"] == 4 * 12 and c["draft_passes"] > 0
-        assert c["predicted_speedup"] == pytest.approx(
-            predicted_speedup(c["acceptance"], c["mean_draft_len"], c["cost_ratio"])
-        )
-        assert c["verify_cost_ratio"] > 0 and c["predicted_speedup_with_verify"] == pytest.approx(
-            tokens_per_pass(c["acceptance"], c["mean_draft_len"])
-            / (c["mean_draft_len"] * c["cost_ratio"] + c["verify_cost_ratio"])
-        )
+        # The model's inputs, recomputed from the time split: c is a draft step over a plain
+        # step (plain decoding's verify time per target pass), v a verify pass over a plain step.
+        plain_step = plain["verify_seconds"] / plain["target_passes"]
+        assert c["cost_ratio"] == pytest.approx(c["draft_seconds"] / c["draft_passes"] / plain_step)
+        assert c["verify_cost_ratio"] == pytest.approx(c["verify_seconds"] / c["target_passes"] / plain_step)
+        assert 0 < c["mean_draft_len"] <= (8 if c["draft_len"] == "auto" else c["draft_len"])  # 8: the bundle's max
+        # The prediction, written out here (Leviathan et al.), not by the function it checks:
+        # (1 - a^(g+1)) / (1 - a) tokens per pass, at g*c + 1 plain steps (+ v - 1 with verify).
+        a, g, cost, v = c["acceptance"], c["mean_draft_len"], c["cost_ratio"], c["verify_cost_ratio"]
+        per_pass = g + 1 if a == 1 else (1 - a ** (g + 1)) / (1 - a)
+        assert c["predicted_tokens_per_pass"] == pytest.approx(per_pass)
+        assert c["predicted_speedup"] == pytest.approx(per_pass / (g * cost + 1))
+        assert v > 0 and c["predicted_speedup_with_verify"] == pytest.approx(per_pass / (g * cost + v))
         assert 0 <= c["acceptance"] <= 1
     assert len(report["configs"][1]["acceptance_by_position"]) == 4
     text = format_report(report)

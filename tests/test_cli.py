@@ -3,7 +3,7 @@ import json
 
 from click.testing import CliRunner
 
-from specdeploy.runtime.cli import main
+from specdeploy.cli import main
 
 
 def test_generate_json(bundles):

@@ -8,7 +8,7 @@ import pytest
 from click.testing import CliRunner
 from safetensors.numpy import load_file
 
-from specdeploy.runtime.cli import main
+from specdeploy.cli import main
 from specdeploy.runtime.session import Session
 
 from conftest import MAX_SEQ, PREFILL_CHUNK

@@ -6,7 +6,7 @@ import pytest
 from click.testing import CliRunner
 
 import tiny
-from specdeploy.runtime.cli import main
+from specdeploy.cli import main
 
 
 def run(*args):

@@ -8,7 +8,7 @@ from click.testing import CliRunner
 from specdeploy.runtime import Session
 from specdeploy.runtime import loop as loop_module
 from specdeploy.runtime.evaluate import _chi2_sf, evaluate
-from specdeploy.runtime.cli import main
+from specdeploy.cli import main
 from tiny import PROMPTS
 
 
@@ -32,13 +32,13 @@ def test_eval_cli_passes_on_a_lossless_bundle(bundles, tmp_path):
     assert report["sampling"]["ok"] and report["sampling"]["drafted"] > 0
 
 
-def _wrong_accept(draft_tokens, target_logits):
+def _wrong_accept(draft_tokens, target_tokens):
     """A broken verifier: accepts every draft token."""
-    return draft_tokens.shape[0], int(target_logits[-1].argmax())
+    return draft_tokens.shape[0], int(target_tokens[-1])
 
 
 def test_eval_reports_a_wrong_accept(bundles, monkeypatch):
-    monkeypatch.setattr(loop_module, "verify_greedy", _wrong_accept)
+    monkeypatch.setattr(loop_module, "accept_greedy", _wrong_accept)
     report = evaluate(Session(bundles("llama-model")), PROMPTS[:4], max_new_tokens=24, samples=0)
     assert not report["contract_holds"]
     bad = [r for r in report["greedy"]["rows"] if not r["match"]]
@@ -47,7 +47,7 @@ def test_eval_reports_a_wrong_accept(bundles, monkeypatch):
 
 
 def test_eval_exits_nonzero_when_broken(bundles, tmp_path, monkeypatch):
-    monkeypatch.setattr(loop_module, "verify_greedy", _wrong_accept)
+    monkeypatch.setattr(loop_module, "accept_greedy", _wrong_accept)
     prompts = tmp_path / "p.txt"
     prompts.write_text(PROMPTS[0])
     result = CliRunner().invoke(main, ["eval", str(bundles("llama-model")), "--prompts", str(prompts), "--samples", "0"])

@@ -32,7 +32,7 @@ def test_ort_matches_source_model(name, source, bundles, models):
 def test_manifest_records_parity(bundles):
     bundle = load_bundle(bundles("llama-self"))
     for role in ("target", "draft"):
-        parity = bundle.manifest["models"][role]["parity"]
+        parity = bundle.model(role).parity
         assert parity["max_rel_diff_ort_vs_eager"] <= parity["bound"]
         ts = {t for _, t in parity["passes"]}
         assert {1, 9, 16} <= ts  # single step, verify pass (k+1), prefill chunk

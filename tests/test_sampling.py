@@ -258,14 +258,10 @@ def test_auto_draft_length_never_changes_greedy_output(bundles):
             assert auto.token_ids == plain.token_ids, (name, prompt)
 
 
-class _Drafter:
-    min_confidence = 0.0
-
-
 def _run_rounds(lengths, rounds, accept_all):
     chosen = []
     for _ in range(rounds):
-        k = lengths.choose(_Drafter())
+        k = lengths.choose()
         chosen.append(k)
         if k:
             lengths.update(k, k if accept_all else 0, draft_seconds=0.0, verify_seconds=0.0)
@@ -273,7 +269,7 @@ def _run_rounds(lengths, rounds, accept_all):
 
 
 def test_auto_draft_length_follows_acceptance_and_cost():
-    from specdeploy.runtime.loop import DraftLength
+    from specdeploy.runtime.policy import DraftLength
 
     # a cheap draft that is always right: k climbs to the bundle's maximum
     assert _run_rounds(DraftLength(8, cost_ratio=0.05, measure=False), 10, True)[-1] == 8

@@ -21,7 +21,7 @@ def smollm2(tmp_path_factory):
     source = load_source(embedded_default())
     out = tmp_path_factory.mktemp("smollm2") / "bundle"
     # the n-gram drafter: no second graph to export, so the real model costs one export here
-    manifest = build_bundle(source, "ngram", out, max_seq=256, max_draft=4)
+    manifest = build_bundle(source, "ngram", out, max_seq=256, max_draft=4).as_dict()
     return source, out, manifest
 
 
@@ -66,7 +66,7 @@ def smollm2_int4(smollm2, tmp_path_factory):
 
     source, _, _ = smollm2
     out = tmp_path_factory.mktemp("smollm2_int4") / "bundle"
-    return out, build_bundle(source, "ngram", out, max_seq=256, max_draft=4, dtype="int4")
+    return out, build_bundle(source, "ngram", out, max_seq=256, max_draft=4, dtype="int4").as_dict()
 
 
 def test_int4_imports_every_gguf_block_exactly(smollm2_int4):

@@ -8,7 +8,7 @@ from specdeploy.runtime.tokenizer import TextStream, Tokenizer
 
 def _tokenizer(bundles):
     b = load_bundle(bundles("llama-self"))
-    return Tokenizer(b.file(b.tokenizer["file"]), b.tokenizer)
+    return Tokenizer(b.file(b.tokenizer.file), b.tokenizer)
 
 
 def test_multibyte_characters_never_split(bundles):

@@ -10,8 +10,9 @@ import torch
 from specdeploy.runtime import Session, load_bundle
 from specdeploy.runtime.backends import make_engine
 from specdeploy.runtime.backends.ort import OrtEngine
-from specdeploy.runtime.backends.torch_engine import TorchEngine, window_bucket
-from specdeploy.runtime.errors import BundleError
+from specdeploy.core.graph_io import window_length
+from specdeploy.runtime.backends.torch_engine import TorchEngine
+from specdeploy.core.errors import BundleError
 from tiny import PROMPTS
 
 NEW_TOKENS = 24
@@ -74,10 +75,10 @@ def test_fixed_window_is_the_exact_window(bundles):
 
 
 def test_window_bucket():
-    assert [window_bucket(n, 128) for n in (1, 63, 64, 65, 127, 128)] == [64, 64, 64, 128, 128, 128]
-    assert window_bucket(5, 128, min_window=4) == 8
-    assert window_bucket(700, 1000) == 1000  # capped at the buffer
-    assert all(window_bucket(n, 1000) >= n for n in range(1, 1001))
+    assert [window_length(n - 1, 1, 64, 128) for n in (1, 63, 64, 65, 127, 128)] == [64, 64, 64, 128, 128, 128]
+    assert window_length(4, 1, 4, 128) == 8
+    assert window_length(699, 1, 64, 1000) == 1000  # capped at the buffer
+    assert all(window_length(n - 1, 1, 64, 1000) >= n for n in range(1, 1001))
 
 
 def test_lossless_loop_on_torch_equals_plain_and_ort(bundles):
@@ -102,6 +103,27 @@ def test_self_draft_and_ngram_bundles_on_torch(bundles):
         ids = ort_session.encode(PROMPTS[16])
         want = ort_session.generate(prompt_ids=ids, max_new_tokens=NEW_TOKENS, speculate=False).token_ids
         assert torch_session.generate(prompt_ids=ids, max_new_tokens=NEW_TOKENS, draft_len=4).token_ids == want
+
+
+def test_a_pool_of_torch_sessions_shares_weights_not_buffers(bundles):
+    """SessionPool(backend="torch", workers=2): each worker forks the engines (one module, its
+    weights shared) with KV buffers of its own; concurrent generations equal one run alone."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from specdeploy.runtime import SessionPool
+
+    path = bundles("llama-model")
+    pool = SessionPool(path, workers=2, backend="torch")
+    first, second = pool.sessions
+    assert first.target.graph is second.target.graph and first.drafter.engine.graph is second.drafter.engine.graph
+    assert not set(first.target.kv_addresses()) & set(second.target.kv_addresses())
+    assert not set(first.drafter.engine.kv_addresses()) & set(second.drafter.engine.kv_addresses())
+    alone = Session(path, threads=1)
+    prompts = PROMPTS[:6]
+    want = [alone.generate(p, max_new_tokens=NEW_TOKENS, draft_len=3).token_ids for p in prompts]
+    with ThreadPoolExecutor(2) as ex:
+        got = list(ex.map(lambda p: pool.generate(p, max_new_tokens=NEW_TOKENS, draft_len=3).token_ids, prompts))
+    assert got == want
 
 
 def test_buffers_keep_their_addresses_and_only_target_passes_sync(bundles):

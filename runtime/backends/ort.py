@@ -12,8 +12,8 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
-from ..bundle import ModelSpec
-from . import attention_mask, check_pass
+from specdeploy.core.graph_io import attention_mask, check_pass
+from specdeploy.core.manifest import ModelSpec
 
 
 def session_options(threads: int | None = None, spinning: bool = True) -> ort.SessionOptions:
@@ -35,6 +35,9 @@ def session_options(threads: int | None = None, spinning: bool = True) -> ort.Se
 
 class OrtEngine:
     """One graph of a bundle on ONNX Runtime (CPU)."""
+
+    chains = False  # every pass returns its logits to the host
+    device = "cpu"
 
     def __init__(
         self, graph_path: Path, spec: ModelSpec, max_seq: int, threads: int | None = None,
@@ -61,6 +64,10 @@ class OrtEngine:
             self._binding.bind_ortvalue_output(out, value)
         self._logits: dict[int, np.ndarray] = {}  # one output buffer per distinct T
         self._logits_values: dict[int, ort.OrtValue] = {}
+
+    @classmethod
+    def from_bundle(cls, bundle, spec: ModelSpec, threads: int | None = None) -> "OrtEngine":
+        return cls(bundle.file(spec.graph), spec, bundle.max_seq, threads)
 
     def fork(self) -> "OrtEngine":
         """Another engine over the same weights (ONNX Runtime runs one InferenceSession from

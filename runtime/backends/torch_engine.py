@@ -39,9 +39,11 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from ..bundle import ModelSpec
-from ..errors import BundleError, InputError
-from . import check_pass
+from specdeploy.core.errors import InputError
+from specdeploy.core.manifest import ModelSpec
+from specdeploy.core.graph_io import check_pass, window_length
+
+from ..engine import Checked
 
 
 @dataclass
@@ -88,14 +90,12 @@ def sample_torch(probs: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
     return torch.searchsorted(cdf, u, right=True).clamp_(max=probs.shape[0] - 1)
 
 
-def window_bucket(length: int, max_seq: int, min_window: int = 64) -> int:
-    """The attention window a captured pass uses for `length` = start + T live slots.
+@dataclass
+class TorchChain:
+    """A draft chain's tokens [k] (and, sampled, its draft probs [k, V]) in device memory."""
 
-    >>> [window_bucket(n, 1000) for n in (1, 64, 65, 300, 513, 1000)]
-    [64, 64, 128, 512, 1000, 1000]
-    """
-    bucket = max(min_window, 1 << (length - 1).bit_length())
-    return min(bucket, max_seq)
+    tokens: torch.Tensor
+    probs: torch.Tensor | None = None
 
 
 class TorchEngine:
@@ -119,6 +119,9 @@ class TorchEngine:
         min_window: int = 64,
         warmup: int = 2,
     ):
+        self._options = dict(capture=capture, buckets=buckets, capture_max_t=capture_max_t, min_window=min_window,
+                             warmup=warmup)
+        self.chains = True  # draft_chain / verify_chain: a round with one host synchronisation
         self.spec = spec
         self.name = f"{spec.role} (torch)"
         self.max_seq = max_seq
@@ -160,30 +163,22 @@ class TorchEngine:
     def from_bundle(cls, bundle, spec: ModelSpec, device=None, threads: int | None = None, **options) -> "TorchEngine":
         """Rebuild the module the export stage exported, from the source model the manifest
         names (the bundle's ONNX file is not read). Needs the `export` extra."""
-        from specdeploy.export.build import _graph
-        from specdeploy.export.load import load_source
-        from specdeploy.runtime.errors import ExportError
+        from specdeploy.export import rebuild_graph
 
         if threads:
             torch.set_num_threads(threads)  # process-wide: torch has no per-module setting
-        entry = bundle.manifest["models"][spec.role]
-        try:
-            source = load_source(entry["source"])
-        except ExportError as e:
-            raise BundleError(f"the torch backend rebuilds the {spec.role} from its source model: {e}") from None
-        graph = _graph(source, entry["dtype"], entry["num_layers"])
-        count = sum(p.numel() for p in graph.parameters())
-        if count != entry["parameters"]:
-            raise BundleError(
-                f"{entry['source']}: has {count} parameters for the {spec.role}, the bundle's manifest says "
-                f"{entry['parameters']}; the source changed after export"
-            )
+        graph = rebuild_graph(spec)
         if device is None:
             device = "cuda" if torch.cuda.is_available() else "cpu"
         options.setdefault("capture_max_t", bundle.max_draft + 1)  # a verify pass's largest T
         return cls(graph, spec, bundle.max_seq, device=device, **options)
 
     # -- the protocol ---------------------------------------------------------------------
+    def fork(self) -> "TorchEngine":
+        """Another engine over the same module (its weights shared, read only) with buffers,
+        captured graphs and statistics of its own."""
+        return TorchEngine(self.graph, self.spec, self.max_seq, device=self.device, **self._options)
+
     def kv_addresses(self) -> list[int]:
         return [t.data_ptr() for t in self.kv]
 
@@ -237,7 +232,7 @@ class TorchEngine:
 
     def _window(self, t: int, start: int) -> int:
         fixed = self.buckets and t <= self.capture_max_t
-        return window_bucket(start + t, self.max_seq, self.min_window) if fixed else start + t
+        return window_length(start, t, self.min_window if fixed else None, self.max_seq)
 
     def draft_chain(self, pending: np.ndarray, start: int, k: int, params=None, seed: int | None = None):
         """Draft k tokens without a host synchronisation: one pass over `pending` (the tokens
@@ -282,7 +277,7 @@ class TorchEngine:
             if timing:
                 self._chain_events[1].record()
         self._chain_host_seconds = time.perf_counter() - t0
-        return (out[:k], probs) if sampled else out[:k]
+        return TorchChain(out[:k], probs if sampled else None)
 
     def _pinned(self, key, shape, dtype) -> torch.Tensor:
         """A host buffer per (kind, size), pinned on a GPU, allocated once."""
@@ -298,12 +293,13 @@ class TorchEngine:
             return self._chain_host_seconds
         return self._chain_events[0].elapsed_time(self._chain_events[1]) / 1000
 
-    def verify_chain(self, last: int, drafts: torch.Tensor, start: int, draft_probs: torch.Tensor | None = None):
-        """The verify pass over [last, *drafts] at positions start.., the drafts read from
-        device memory. Returns, on the host after the round's one synchronisation: greedy,
-        (drafts, the target's argmax for each of the k+1 rows); with `draft_probs` (a sampled
-        chain), (drafts, draft_probs [k, V], the target's logits [k+1, V])."""
+    def verify_chain(self, last: int, chain: TorchChain, start: int) -> Checked:
+        """The verify pass over [last, *chain] at positions start.., the drafts read from
+        device memory. Brought back after the round's one synchronisation: the drafts and the
+        target's argmax for each of the k+1 rows; for a sampled chain also its draft probs
+        [k, V] and the target's logits [k+1, V]."""
         self.runs += 1
+        drafts, draft_probs = chain.tokens, chain.probs
         k = drafts.shape[0]
         t = k + 1
         check_pass(self.name, np.array([last], dtype=np.int64), start, self.max_seq - k, self.vocab_size)
@@ -329,8 +325,8 @@ class TorchEngine:
             self.stats.host_syncs += 1
         host = self._result_host[: k + t].numpy()
         if draft_probs is not None:
-            return host[:k].copy(), host_probs.numpy(), host_logits.numpy()
-        return host[:k].copy(), host[k : k + t].copy()
+            return Checked(host[:k].copy(), host_probs.numpy(), target_logits=host_logits.numpy())
+        return Checked(host[:k].copy(), target_tokens=host[k : k + t].copy())
 
     # -- the pass ---------------------------------------------------------------------------
     def _pass(self, t: int, window: int) -> torch.Tensor:

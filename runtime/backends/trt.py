@@ -19,7 +19,7 @@ Addresses are set once per execution context, when the context is created.
 
 A greedy round with a model draft (`draft_chain` on the draft's engine, `verify_chain` on the
 target's) synchronises the host once, when both engines were built with the argmax output
-(trt_layout.ARGMAX, added by `specdeploy build`):
+(core.trt_profiles.ARGMAX, added by `specdeploy build`):
 
     draft: stage -> pass -> argmax row copied device-to-device into the next step's input_ids
            (k steps back to back on the draft's stream) -> record an event
@@ -32,146 +32,33 @@ also covers every step of the draft. An engine built without the output has neit
 `ModelDrafter.fused_with` is False and the loop runs its per-pass round. Sampled rounds are not
 fused: `draft_chain` with sampling parameters runs its k passes with a synchronisation each and
 samples on the host, and `verify_chain` with draft probabilities is one plain pass.
+
+This module owns the engine (`TrtEngine`, its `DraftChain`) and `_Driver`, the stream
+operations `trt_layout.StepGraphs` captures and replays through. Around it: `cuda` (the
+checked cudart calls, importing TensorRT and cuda-python), `trt_plan` (the plan's version, GPU
+and I/O checks, and its loading), `trt_layout` (pool offsets, CUDA-graph bookkeeping) and
+`specdeploy.core.trt_profiles` (the optimization profiles, shared with the build).
 """
 from __future__ import annotations
 
-import ctypes
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from ..bundle import ModelSpec
-from ..errors import BundleError, InputError
+from specdeploy.core.errors import BundleError, InputError
+from specdeploy.core.graph_io import check_pass, fill_mask, window_length
+from specdeploy.core.manifest import ModelSpec
+from specdeploy.core.trt_profiles import ARGMAX, Profile, select_profile
+
+from ..engine import Checked
 from ..sampling import sample, warp
-from . import check_pass
-from .trt_layout import (
-    ARGMAX, STAGED_INPUTS, CaptureError, EnqueueError, Profile, ShapeKey, StepGraphs, engine_layout, fill_mask,
-    padded_length, select_profile, step_slot,
-)
+from .cuda import Cuda, CudaError, import_modules
+from .trt_layout import STAGED_INPUTS, CaptureError, EnqueueError, ShapeKey, StepGraphs, engine_layout, step_slot
+from .trt_plan import LoadedEngine, check_engine_compat, load_engine
 
-DEFAULT_LENGTH_BUCKET = 64  # the smallest attention window a pass runs with (see padded_length)
-_INSTALL = "pip install 'specdeploy[trt]' (TensorRT >= 10.15 and cuda-python, on a machine with an NVIDIA GPU)"
-
-
-def import_modules(what: str = "backend 'trt'"):
-    """(tensorrt, cuda-python's runtime module), imported only when TensorRT is chosen."""
-    try:
-        import tensorrt as trt
-    except ImportError as e:
-        raise InputError(f"{what} needs TensorRT's Python package, which is not installed ({e}): {_INSTALL}") from None
-    try:
-        from cuda.bindings import runtime as cudart  # cuda-python >= 12.6
-    except ImportError:
-        try:
-            from cuda import cudart  # older cuda-python
-        except ImportError as e:
-            raise InputError(f"{what} needs cuda-python, which is not installed ({e}): {_INSTALL}") from None
-    return trt, cudart
-
-
-class CudaError(RuntimeError):
-    pass
-
-
-class Cuda:
-    """The few CUDA runtime calls the backend makes, through cuda-python, each checked.
-
-    cuda-python returns (cudaError_t, *results) from every call."""
-
-    def __init__(self, cudart):
-        self.rt = cudart
-
-    def call(self, name: str, *args):
-        result = getattr(self.rt, name)(*args)
-        err, rest = result[0], result[1:]
-        if err != self.rt.cudaError_t.cudaSuccess:
-            what = self.rt.cudaGetErrorName(err)[1]
-            raise CudaError(f"{name}: {what.decode() if isinstance(what, bytes) else what}")
-        return rest[0] if len(rest) == 1 else rest
-
-    def device(self) -> tuple[str, str]:
-        """(GPU name, compute capability "major.minor") of the current device."""
-        prop = self.call("cudaGetDeviceProperties", self.call("cudaGetDevice"))
-        name = prop.name
-        if isinstance(name, (bytes, bytearray)):
-            name = bytes(name).split(b"\0", 1)[0].decode(errors="replace")
-        return str(name).strip(), f"{prop.major}.{prop.minor}"
-
-    def host_view(self, address: int, nbytes: int) -> np.ndarray:
-        """A numpy uint8 view of host memory at `address` (pinned memory from cudaMallocHost)."""
-        return np.frombuffer((ctypes.c_char * nbytes).from_address(address), dtype=np.uint8)
-
-
-def check_engine_compat(where: str, entry: dict, tensorrt_version: str, gpu: tuple[str, str]) -> None:
-    """A TensorRT engine loads only into the TensorRT version that built it, on the kind of
-    GPU it was built for; say so, and how to fix it, instead of failing inside TensorRT."""
-    built = entry.get("tensorrt_version")
-    if built != tensorrt_version:
-        raise BundleError(
-            f"{where}: engine built with TensorRT {built}, this machine has TensorRT {tensorrt_version}; "
-            "engines do not load across TensorRT versions: rebuild it with `specdeploy build BUNDLE`"
-        )
-    name, cc = gpu
-    if (entry.get("gpu_name"), entry.get("compute_capability")) != (name, cc):
-        raise BundleError(
-            f"{where}: engine built on {entry.get('gpu_name')} (compute capability {entry.get('compute_capability')}), "
-            f"this machine has {name} (compute capability {cc}); rebuild it here with `specdeploy build BUNDLE`"
-        )
-
-
-class _Loaded:
-    """One deserialized engine and what was checked about it, shared by forks."""
-
-    def __init__(self, runtime, engine, dtypes: dict[str, np.dtype]):
-        self.runtime, self.engine, self.dtypes = runtime, engine, dtypes
-
-
-def _load_engine(trt, plan_path: Path, spec: ModelSpec, entry: dict, max_seq: int) -> _Loaded:
-    runtime = trt.Runtime(trt.Logger(trt.Logger.WARNING))
-    engine = runtime.deserialize_cuda_engine(plan_path.read_bytes())
-    if engine is None:
-        raise BundleError(f"{plan_path}: TensorRT could not deserialize the engine; rebuild it with `specdeploy build BUNDLE`")
-    names = [engine.get_tensor_name(i) for i in range(engine.num_io_tensors)]
-    inputs = {n for n in names if engine.get_tensor_mode(n) == trt.TensorIOMode.INPUT}
-    argmax = entry.get("argmax_output")  # absent from engines built before it existed
-    want_in = set(STAGED_INPUTS) | {i for i, _ in spec.kv_names}
-    want_out = {"logits"} | {o for _, o in spec.kv_names} | ({argmax} if argmax else set())
-    if inputs != want_in or set(names) - inputs != want_out:
-        raise BundleError(
-            f"{plan_path}: engine I/O {sorted(names)} does not match the manifest's graph contract; rebuild the engine"
-        )
-    for past, present in spec.kv_names:
-        # The KV-cache update layer writes in place. ICudaEngine::getAliasedInputTensor names the
-        # input an output "should alias with" (NvInferRuntime.h, TensorRT 10.15), and both must be
-        # bound to one address: "If different addresses are assigned, TensorRT reports an API
-        # error" (TensorRT developer guide, KV Cache).
-        aliased = engine.get_aliased_input_tensor(present)
-        if aliased != past:
-            raise BundleError(
-                f"{plan_path}: TensorRT aliases {present} to {aliased!r}, not {past}: the KV cache would not be "
-                "written in place; rebuild with TensorRT >= 10.15 from an opset-24 TensorScatter graph"
-            )
-    dtypes = {n: np.dtype(trt.nptype(engine.get_tensor_dtype(n))) for n in names}
-    if argmax and dtypes[argmax] != dtypes["input_ids"]:
-        raise BundleError(
-            f"{plan_path}: output {argmax} is {dtypes[argmax]}, input_ids is {dtypes['input_ids']}; a draft step's "
-            "argmax is copied byte for byte into the next step's input_ids: rebuild the engine"
-        )
-    kv_in = spec.kv_names[0][0]
-    kv_shape = (1, spec.num_kv_heads, max_seq, spec.head_dim)
-    if dtypes[kv_in] != np.dtype(spec.kv_dtype) or tuple(engine.get_tensor_shape(kv_in)) != kv_shape:
-        raise BundleError(
-            f"{plan_path}: KV tensor {kv_in} is {dtypes[kv_in]} {tuple(engine.get_tensor_shape(kv_in))}, the manifest "
-            f"says {spec.kv_dtype} {kv_shape}; rebuild the engine"
-        )
-    if engine.num_optimization_profiles != len(entry["profiles"]):
-        raise BundleError(
-            f"{plan_path}: engine has {engine.num_optimization_profiles} optimization profiles, the manifest "
-            f"records {len(entry['profiles'])}; rebuild the engine"
-        )
-    return _Loaded(runtime, engine, dtypes)
+DEFAULT_LENGTH_BUCKET = 64  # the smallest attention window a pass runs with (see window_length)
 
 
 @dataclass
@@ -184,6 +71,7 @@ class DraftChain:
     tokens: np.ndarray
     address: int | None = None
     done: object = None
+    probs: np.ndarray | None = None  # a sampled chain's draft probs [k, V] (drawn on the host)
 
 
 class TrtEngine:
@@ -192,7 +80,7 @@ class TrtEngine:
     def __init__(
         self, plan_path: Path, spec: ModelSpec, max_seq: int, entry: dict, *,
         length_bucket: int = DEFAULT_LENGTH_BUCKET, cuda_graphs: bool = True, max_graphs: int = 64, modules=None,
-        _loaded: _Loaded | None = None,
+        _loaded: LoadedEngine | None = None,
     ):
         self.spec = spec
         self.plan_path = Path(plan_path)
@@ -207,7 +95,7 @@ class TrtEngine:
         self._cuda = cuda = Cuda(cudart)
         if _loaded is None:
             check_engine_compat(str(self.plan_path), entry, trt.__version__, cuda.device())
-            _loaded = _load_engine(trt, self.plan_path, spec, entry, max_seq)
+            _loaded = load_engine(trt, self.plan_path, spec, entry, max_seq)
         self._loaded = _loaded
         self.device = f"cuda:{cuda.call('cudaGetDevice')}"  # fused rounds need draft and target on one GPU
         self.profiles = [Profile.from_dict(p) for p in entry["profiles"]]
@@ -277,13 +165,13 @@ class TrtEngine:
         return slots
 
     @classmethod
-    def from_bundle(cls, bundle, spec: ModelSpec, **kwargs) -> "TrtEngine":
-        entry = bundle.manifest["models"][spec.role].get("trt")
+    def from_bundle(cls, bundle, spec: ModelSpec, threads: int | None = None, **kwargs) -> "TrtEngine":
+        entry = spec.trt
         if entry is None:
             raise BundleError(
                 f"{bundle.path}: no TensorRT engine for the {spec.role} model; build it with `specdeploy build {bundle.path}`"
             )
-        onnx_sha = bundle.manifest["files"].get(spec.graph)
+        onnx_sha = bundle.manifest.files.get(spec.graph)
         if entry.get("onnx_sha256") not in (None, onnx_sha):
             raise BundleError(
                 f"{bundle.file(entry['plan'])}: built from another {spec.graph}; rebuild it with `specdeploy build {bundle.path}`"
@@ -347,27 +235,20 @@ class TrtEngine:
         return out
 
     # -- a greedy round with one host synchronisation ------------------------------------------
-    # Only an engine built with the argmax output offers the two halves: `ModelDrafter.fused_with`
-    # asks hasattr, so an older engine (or a pair with one) keeps the loop's per-pass round.
-
     @property
-    def draft_chain(self):
-        self._require_argmax("draft_chain")
-        return self._draft_chain
-
-    @property
-    def verify_chain(self):
-        self._require_argmax("verify_chain")
-        return self._verify_chain
+    def chains(self) -> bool:
+        """Only an engine built with the argmax output chains a greedy round on the device; an
+        older one (or a pair with one) keeps the loop's per-pass round."""
+        return bool(self.max_chain)
 
     def _require_argmax(self, what: str) -> None:
         if not self.max_chain:
-            raise AttributeError(
+            raise InputError(
                 f"{self.name}: no {what}: the engine has no argmax output (built before it existed); "
                 "rebuild it with `specdeploy build BUNDLE` for rounds with one host synchronisation"
             )
 
-    def _draft_chain(self, pending: np.ndarray, start: int, k: int, params=None, seed: int | None = None):
+    def draft_chain(self, pending: np.ndarray, start: int, k: int, params=None, seed: int | None = None) -> "DraftChain":
         """Draft k tokens: one pass over `pending` (the tokens this cache has not seen, at positions
         start..), then k-1 single steps, each fed the previous step's token.
 
@@ -377,7 +258,7 @@ class TrtEngine:
         longer than every profile (the first round after a long prompt) runs its leading chunks as
         plain passes, one synchronisation each; the last chunk opens the chain.
         Sampled: not fused. Each pass comes back to the host, where the token is drawn from the
-        warped distribution with a generator seeded by `seed`; returns (chain, draft_probs [k, V]).
+        warped distribution with a generator seeded by `seed`; the chain carries draft_probs [k, V].
 
         Inputs staging: step 0 stages in the engine's own area, step i >= 1 in slot i-1 (its
         position, write index and mask; its token is already on the device). The host never
@@ -388,6 +269,7 @@ class TrtEngine:
         after it, so they run once it has finished: what `forward`'s rule (no change to bound
         memory before the synchronisation) guards against is a write the stream does not order.
         """
+        self._require_argmax("draft_chain")
         pending = np.asarray(pending, dtype=np.int64)
         check_pass(self.name, pending, start, self.max_seq, self.vocab_size)
         t = pending.shape[0]
@@ -434,7 +316,7 @@ class TrtEngine:
             start += pending.shape[0]
             pending = tokens[i : i + 1]
         self._chain_host_seconds, self._chain_evented = time.perf_counter() - t0, False
-        return DraftChain(tokens), draft_probs
+        return DraftChain(tokens, probs=draft_probs)
 
     def chain_seconds(self) -> float:
         """The last draft chain's duration: for a greedy chain CUDA-event time (readable once the
@@ -444,20 +326,21 @@ class TrtEngine:
             return self._chain_host_seconds
         return self._chain_host_seconds + self._cuda.call("cudaEventElapsedTime", *self._events) / 1000
 
-    def _verify_chain(self, last: int, chain: DraftChain, start: int, draft_probs: np.ndarray | None = None):
+    def verify_chain(self, last: int, chain: DraftChain, start: int) -> Checked:
         """The verify pass over [last, *chain's tokens] at positions start..start+k.
 
         Greedy: the target's stream waits on the chain's event, the tokens go device-to-device into
-        input_ids, and only the k+1 argmax rows (and the chain's tokens) come back: returns
-        (drafts [k], the target's argmax per row [k+1]) after the round's one synchronisation.
-        With `draft_probs` (a sampled chain): one plain pass; returns (drafts, draft_probs,
-        the target's logits [k+1, V] float32).
+        input_ids, and only the k+1 argmax rows (and the chain's tokens) come back, after the
+        round's one synchronisation: the verdict carries the target's argmax per row [k+1].
+        A sampled chain (it carries its draft probs): one plain pass; the verdict carries the
+        target's logits [k+1, V] float32.
         """
-        self.runs += 1
+        self._require_argmax("verify_chain")
         k = chain.tokens.shape[0]
-        if draft_probs is not None:
+        if chain.probs is not None:
             logits = self.forward(np.concatenate([[last], chain.tokens]).astype(np.int64), start)
-            return chain.tokens.copy(), draft_probs, logits.copy()
+            return Checked(chain.tokens.copy(), chain.probs, target_logits=logits.copy())
+        self.runs += 1
         t = k + 1
         check_pass(self.name, np.array([last], dtype=np.int64), start, self.max_seq - k, self.vocab_size)
         if t > self.max_chain + 1:
@@ -473,12 +356,12 @@ class TrtEngine:
         self._copy(self._host + argmax_at, self._pool + argmax_at, t * itemsize, "DeviceToHost")
         self._sync()  # the one host synchronisation of the round; the chain's copy down is done too
         self.fused += 1
-        return chain.tokens.astype(np.int64), self._h[ARGMAX][:t].astype(np.int64)
+        return Checked(chain.tokens.astype(np.int64), target_tokens=self._h[ARGMAX][:t].astype(np.int64))
 
     # -- staging, copies, the pass -----------------------------------------------------------------
 
     def _key(self, start: int, t: int) -> ShapeKey:
-        return ShapeKey(select_profile(self.profiles, t), t, padded_length(start, t, self.length_bucket, self.max_seq))
+        return ShapeKey(select_profile(self.profiles, t), t, window_length(start, t, self.length_bucket, self.max_seq))
 
     def _stage(self, first_ids: np.ndarray, start: int, t: int) -> ShapeKey:
         """Stage a pass of t tokens at `start` (its first len(first_ids) token ids included) in
@@ -625,4 +508,4 @@ class _Driver:
         del executor  # the context goes with its last reference
 
 
-__all__ = ["Cuda", "DraftChain", "TrtEngine", "check_engine_compat", "import_modules"]
+__all__ = ["DraftChain", "TrtEngine"]

@@ -2,10 +2,10 @@
 
 - `plan_layout`: one device pool, every tensor at a 256-byte aligned offset; `step_slot`:
   where the host staging of one single step of a draft chain lands in it.
-- `Profile`, `profiles_for`, `select_profile`: the optimization profiles over T that the
-  build creates and the runtime picks from (a draft step, a verify pass, a prefill chunk).
-- `padded_length`, `fill_mask`: the attention window L rounded up to a power-of-two bucket,
-  so a captured CUDA graph (whose shapes are fixed) serves many write positions.
+- (the optimization profiles over T that the build creates and the runtime picks from, and
+  the argmax output's name: `specdeploy.core.trt_profiles`, the bundle contract's side.)
+- (the attention window L rounded up to a power-of-two bucket, so a captured CUDA graph
+  serves many write positions, and its mask: `specdeploy.core.graph_io`.)
 - `StepGraphs`: one CUDA graph per distinct pass shape, captured after a warm-up run and
   replayed, falling back to plain enqueue when capture fails; driven through `Driver`,
   a handful of stream operations, so a fake stream can test it.
@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import NamedTuple, Protocol
 
-import numpy as np
+from specdeploy.core.trt_profiles import ARGMAX
 
 # TensorRT: "The pointer must have at least 256-byte alignment" (IExecutionContext::
 # setTensorAddress, include/NvInferRuntime.h of TensorRT 10.15 and 11.1). cudaMalloc returns
@@ -71,11 +71,6 @@ def plan_layout(items: list[tuple[str, int]], alignment: int = ALIGNMENT) -> Lay
 # carries every input of a pass, whatever T and L.
 STAGED_INPUTS = ("input_ids", "position_ids", "write_indices", "attention_mask")
 
-# The extra output the build adds for the fused round: each logits row's argmax ([1, T, 1], the
-# dtype of input_ids), so a draft step's token can be copied into the next step's input on the device.
-ARGMAX = "next_tokens"
-
-
 def engine_layout(
     t_max: int, max_seq: int, vocab_size: int, kv_names: list[str], kv_nbytes: int,
     itemsize: dict[str, int], max_chain: int = 0,
@@ -110,92 +105,6 @@ def step_slot(layout: Layout, max_seq: int, mask_itemsize: int) -> tuple[int, in
     """
     first = layout.offset("position_ids")
     return first, align_up(layout.offset("attention_mask") - first + max_seq * mask_itemsize)
-
-
-# -- optimization profiles over T -------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Profile:
-    """One optimization profile: token count T in [t_min, t_max], window L in [1, l_max]."""
-
-    name: str
-    t_min: int
-    t_opt: int
-    t_max: int
-    l_opt: int
-    l_max: int
-
-    def shapes(self) -> dict[str, tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]]:
-        """(min, opt, max) of every dynamic input, as IOptimizationProfile.set_shape takes them."""
-        ids = ((1, self.t_min), (1, self.t_opt), (1, self.t_max))
-        mask = ((1, 1, self.t_min, 1), (1, 1, self.t_opt, self.l_opt), (1, 1, self.t_max, self.l_max))
-        return {"input_ids": ids, "position_ids": ids, "attention_mask": mask}
-
-    def as_dict(self) -> dict:
-        return {"name": self.name, "T": [self.t_min, self.t_opt, self.t_max], "L": [1, self.l_opt, self.l_max]}
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "Profile":
-        (t_min, t_opt, t_max), (_, l_opt, l_max) = d["T"], d["L"]
-        return cls(d["name"], t_min, t_opt, t_max, l_opt, l_max)
-
-
-def profiles_for(max_seq: int, max_draft: int, prefill_chunk: int) -> list[Profile]:
-    """Profiles whose T ranges partition 1..max(k+1, chunk): a draft step (T = 1), a verify
-    pass (2..k+1) and, when the chunk is longer, a prefill chunk (k+2..chunk).
-
-    >>> [(p.name, p.t_min, p.t_max) for p in profiles_for(1024, 8, 64)]
-    [('step', 1, 1), ('verify', 2, 9), ('prefill', 10, 64)]
-    """
-    l_opt = max(1, max_seq // 2)
-    verify = max_draft + 1
-    profiles = [Profile("step", 1, 1, 1, l_opt, max_seq), Profile("verify", 2, verify, verify, l_opt, max_seq)]
-    if prefill_chunk > verify:
-        profiles.append(Profile("prefill", verify + 1, prefill_chunk, prefill_chunk, max(prefill_chunk, l_opt), max_seq))
-    return profiles
-
-
-def select_profile(profiles: list[Profile], t: int) -> int:
-    """Index of the profile whose T range holds t, or -1 when none does."""
-    for i, p in enumerate(profiles):
-        if p.t_min <= t <= p.t_max:
-            return i
-    return -1
-
-
-# -- the attention window ---------------------------------------------------------------------------
-
-
-def padded_length(start: int, t: int, min_bucket: int, max_seq: int) -> int:
-    """The window L = start + t rounded up to a power of two, at least `min_bucket`, at most max_seq.
-
-    A CUDA graph fixes its shapes; with L bucketed, one graph per (T, bucket) serves every write
-    position in the bucket, and a handful of buckets cover the whole buffer (5 for 64..1024).
-    Attention then reads at most twice the live slots. The extra slots are masked (-inf), and the
-    buffers are zero-filled at allocation, so they hold finite values and add exact zeros.
-
-    >>> [padded_length(s, 1, 64, 1024) for s in (0, 63, 64, 300, 1020)]
-    [64, 64, 128, 512, 1024]
-    """
-    length = start + t
-    return min(max_seq, max(min_bucket, 1 << (length - 1).bit_length()))
-
-
-def fill_mask(out: np.ndarray, start: int, sliding_window: int | None = None) -> np.ndarray:
-    """Write the additive mask [T, L] for a pass at `start` into `out`, in place: row i sees
-    slots 0..start+i (within the sliding window); every other slot, padding included, is -inf.
-
-    >>> fill_mask(np.empty((2, 4), np.float32), 1)
-    array([[  0.,   0., -inf, -inf],
-           [  0.,   0.,   0., -inf]], dtype=float32)
-    """
-    out.fill(-np.inf)
-    for i in range(out.shape[0]):
-        last = start + i
-        first = 0 if sliding_window is None else max(0, last - sliding_window + 1)
-        out[i, first : last + 1] = 0
-    return out
 
 
 # -- CUDA graphs, one per pass shape -----------------------------------------------------------------

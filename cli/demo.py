@@ -6,10 +6,10 @@ from pathlib import Path
 
 import click
 
-from .bundle import load_bundle
-from .errors import BundleError
-from .report import summary
-from .session import Session
+from specdeploy.core.manifest import load_bundle
+from specdeploy.core.errors import BundleError
+from specdeploy.runtime.report import summary
+from specdeploy.runtime.session import Session
 
 
 DISTILLED = "distilled"
@@ -26,15 +26,15 @@ def _bundle_ready(out: Path, draft: str, dtype: str) -> bool:
         bundle = load_bundle(out)
     except BundleError:
         return False
-    if bundle.manifest["models"]["target"]["dtype"] != dtype:
+    if bundle.model("target").dtype != dtype:
         return False
     kind = bundle.draft_kind
     if draft == DISTILLED:
-        return kind == "model" and "distilled" in bundle.manifest["draft"]
+        return kind == "model" and bundle.draft.distilled is not None
     want = "self" if draft.startswith("self:") else draft
     if kind != want:
         return False
-    return kind != "self" or f"self:layers={bundle.manifest['draft']['layers']}" == draft
+    return kind != "self" or f"self:layers={bundle.draft.layers}" == draft
 
 
 def _export(out: Path, draft: str, dtype: str) -> None:

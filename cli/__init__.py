@@ -10,7 +10,7 @@ from pathlib import Path
 
 import click
 
-from .errors import InputError, SpecdeployError
+from specdeploy.core.errors import InputError, SpecdeployError
 
 DEFAULT_PROMPT = "Explain in three short sentences why the sky is blue."
 
@@ -106,7 +106,7 @@ def _parse_ids(text: str) -> list[int]:
 def generate(bundle, prompt, prompt_ids, chat, max_new_tokens, draft_len, no_speculate, temperature, top_k, top_p,
              seed, stop, as_json, threads, backend):
     """Generate from BUNDLE, streaming the text."""
-    from .session import Session
+    from specdeploy.runtime.session import Session
 
     if (prompt is None) == (prompt_ids is None):
         raise InputError("give exactly one of --prompt or --prompt-ids")
@@ -137,8 +137,8 @@ def generate(bundle, prompt, prompt_ids, chat, max_new_tokens, draft_len, no_spe
 @click.option("--no-verify", is_flag=True, help="Skip the checksums.")
 def inspect(bundle, no_verify):
     """Print BUNDLE's manifest in human terms."""
-    from .bundle import load_bundle
-    from .report import describe
+    from specdeploy.core.manifest import load_bundle
+    from specdeploy.runtime.report import describe
 
     click.echo(describe(load_bundle(bundle, verify=not no_verify)))
 
@@ -156,7 +156,7 @@ def inspect(bundle, no_verify):
 @click.option("--plot", "plot_out", type=click.Path(path_type=Path))
 def bench(bundle, backend, draft_len, prompts, max_new_tokens, repeats, no_chat, threads, json_out, plot_out):
     """Latency profile of BUNDLE: plain vs each draft length, measured and predicted speedup."""
-    from .bench import bench as run_bench, format_report, plot, read_prompts, write_json
+    from specdeploy.runtime.bench import bench as run_bench, format_report, plot, read_prompts, write_json
 
     if prompts is not None and not prompts.is_file():
         raise InputError(f"--prompts {prompts}: no such file")
@@ -206,7 +206,7 @@ def build(bundle, workspace_gb, timing_cache, roles):
 @click.option("--model-name", help="Model name reported by the API (default: the bundle folder name).")
 def serve(bundle, host, port, workers, max_queue, threads, model_name):
     """Serve BUNDLE over OpenAI-compatible HTTP (completions, chat, SSE streaming, /metrics)."""
-    from .server import serve as run_server
+    from specdeploy.runtime.server import serve as run_server
 
     if workers < 1 or max_queue < 0:
         raise InputError("--workers must be >= 1 and --max-queue >= 0")
@@ -226,9 +226,9 @@ def serve(bundle, host, port, workers, max_queue, threads, model_name):
 @click.option("--json", "json_out", type=click.Path(path_type=Path), help="Write the full report here.")
 def eval_cmd(bundle, prompts_file, max_new_tokens, draft_len, samples, alpha, near_tie, strict, json_out):
     """Check the quality contract of BUNDLE: speculation changes speed, not output. Exits 3 when broken."""
-    from .bench import read_prompts
-    from .evaluate import evaluate
-    from .session import Session
+    from specdeploy.runtime.bench.inputs import read_prompts
+    from specdeploy.runtime.evaluate import evaluate
+    from specdeploy.runtime.session import Session
 
     if not prompts_file.is_file():
         raise InputError(f"--prompts {prompts_file}: no such file")
@@ -266,7 +266,7 @@ def eval_cmd(bundle, prompts_file, max_new_tokens, draft_len, samples, alpha, ne
 def demo(out, draft, prompt, max_new_tokens, draft_len, dtype, rebuild):
     """The main job on the embedded default: export SmolLM2-135M-Instruct (once), answer a
     chat prompt with speculative decoding, then compare with plain decoding."""
-    from .demo import run_demo
+    from specdeploy.cli.demo import run_demo
 
     run_demo(out, draft, prompt, max_new_tokens, draft_len, rebuild, dtype)
 

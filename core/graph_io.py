@@ -1,0 +1,96 @@
+"""The graph contract (DESIGN.md section 3): tensor names, the attention mask, the window.
+
+One graph per model takes `input_ids [1, T]`, `position_ids [1, T]`, `write_indices [1]`
+(data, never a shape), `attention_mask [1, 1, T, L]` and per layer `past_key_i`,
+`past_value_i` `[1, Hkv, S_max, D]` bound in and out (written in place), and returns
+`logits [1, T, V]` and the `present_*` aliases of the buffers. L, the mask's last
+dimension, is how much of the buffer attention reads: the live slots, or a power-of-two
+bucket of them on engines that capture a graph per shape.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .errors import InputError
+
+STEP_INPUTS = ("input_ids", "position_ids", "write_indices", "attention_mask")
+
+
+def kv_names(num_layers: int) -> list[tuple[str, str]]:
+    """(input, output) names of the KV buffers, in layer order: key then value.
+
+    >>> kv_names(1)
+    [('past_key_0', 'present_key_0'), ('past_value_0', 'present_value_0')]
+    """
+    return [(f"past_{kind}_{i}", f"present_{kind}_{i}") for i in range(num_layers) for kind in ("key", "value")]
+
+
+def io_names(num_layers: int) -> tuple[list[str], list[str]]:
+    """The graph's input and output names, in order."""
+    kv = kv_names(num_layers)
+    return list(STEP_INPUTS) + [p for p, _ in kv], ["logits"] + [p for _, p in kv]
+
+
+def window_length(start: int, t: int, min_window: int | None = None, max_seq: int | None = None) -> int:
+    """The attention window L for a pass of T tokens written at `start`: the live slots
+    start + T, or with `min_window` that rounded up to a power of two (at least min_window,
+    at most max_seq). A captured graph fixes its shapes; with L bucketed, one graph per
+    (T, bucket) serves every write position in the bucket, and a handful of buckets cover
+    the whole buffer (5 for 64..1024). Attention then reads at most twice the live slots;
+    the extra slots are masked (-inf) and zero-filled at allocation, so they add exact zeros.
+
+    >>> [window_length(s, 1, 64, 1024) for s in (0, 63, 64, 300, 1020)]
+    [64, 64, 128, 512, 1024]
+    >>> window_length(300, 1)
+    301
+    """
+    length = start + t
+    if min_window is None:
+        return length
+    return min(max_seq, max(min_window, 1 << (length - 1).bit_length()))
+
+
+def fill_mask(out: np.ndarray, start: int, sliding_window: int | None = None) -> np.ndarray:
+    """Write the additive mask [T, L] for a pass at `start` into `out`, in place: row i sees
+    slots 0..start+i (within the sliding window); every other slot, padding included, is -inf.
+    Positions past the write position are masked, so rollback is moving the length back.
+
+    >>> fill_mask(np.empty((2, 4), np.float32), 1)
+    array([[  0.,   0., -inf, -inf],
+           [  0.,   0.,   0., -inf]], dtype=float32)
+    """
+    out.fill(-np.inf)
+    for i in range(out.shape[0]):
+        last = start + i
+        first = 0 if sliding_window is None else max(0, last - sliding_window + 1)
+        out[i, first : last + 1] = 0
+    return out
+
+
+def attention_mask(start: int, t: int, sliding_window: int | None = None, window: int | None = None) -> np.ndarray:
+    """Additive mask [1, 1, T, L] with L = `window` (default start + T): row i sees slots
+    0..start+i.
+
+    >>> attention_mask(2, 2)[0, 0]
+    array([[  0.,   0.,   0., -inf],
+           [  0.,   0.,   0.,   0.]], dtype=float32)
+    """
+    length = start + t if window is None else window
+    return fill_mask(np.empty((t, length), dtype=np.float32), start, sliding_window)[None, None]
+
+
+def check_pass(name: str, token_ids: np.ndarray, start: int, max_seq: int, vocab_size: int) -> None:
+    """Validate one pass at the engine boundary; errors name the tensor and the allowed range."""
+    t = token_ids.shape[0] if token_ids.ndim else 0
+    if token_ids.ndim != 1 or t < 1:
+        raise InputError(f"{name}: input_ids must be a non-empty 1-D array of token ids, got shape {token_ids.shape}")
+    if start < 0 or start + t > max_seq:
+        raise InputError(
+            f"{name}: positions {start}..{start + t - 1} are outside the KV buffer [0, {max_seq}) (max sequence {max_seq})"
+        )
+    bad = np.flatnonzero((token_ids < 0) | (token_ids >= vocab_size))
+    if bad.size:
+        i = int(bad[0])
+        raise InputError(
+            f"{name}: token id {int(token_ids[i])} at input position {i} is outside the vocabulary [0, {vocab_size})"
+        )

@@ -1,0 +1,352 @@
+"""The bundle contract (DESIGN.md section 2) as typed records: export writes them, the
+runtime reads them back, and neither side spells a manifest key anywhere else.
+
+A bundle is a folder with `manifest.json`, one ONNX graph per model (and TensorRT plans
+where built) and the tokenizer. The manifest records everything the runtime needs, so no
+build flag is ever repeated at run time. Reading checks the format version, the type of
+every field the runtime uses and (by default) the sha256 of every listed file.
+
+    >>> d = DraftEntry(kind="self", layers=4)
+    >>> d.as_dict(), DraftEntry.from_dict(d.as_dict(), "draft") == d
+    ({'kind': 'self', 'layers': 4}, True)
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .errors import BundleError
+
+FORMAT = "specdeploy-bundle"
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+DRAFT_KINDS = ("model", "self", "ngram", "none")
+
+
+def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _take(d: dict, key: str, kind, where: str, optional: bool = False):
+    """d[key], checked to be of `kind` (bool is never an int here); one-line error naming it."""
+    if key not in d:
+        if optional:
+            return None
+        raise BundleError(f"{where}: missing field {key!r}")
+    value = d[key]
+    if value is None and optional:
+        return None
+    ok = isinstance(value, kind) and not (kind is int and isinstance(value, bool))
+    if not ok:
+        name = kind.__name__ if isinstance(kind, type) else "/".join(k.__name__ for k in kind)
+        raise BundleError(f"{where}: field {key!r} must be {name}, got {value!r:.60}")
+    return value
+
+
+def _positive(value: int, key: str, where: str) -> int:
+    if value < 1:
+        raise BundleError(f"{where}: field {key!r} must be at least 1, got {value}")
+    return value
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """One graph of the bundle (`models[role]`): the numbers needed to drive it, and the
+    record of how it was built."""
+
+    role: str  # "target" or "draft" (the key in `models`; not repeated in the entry)
+    graph: str  # file name inside the bundle
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    kv_dtype: str  # numpy dtype name of the KV buffers
+    sliding_window: int | None = None
+    dtype: str = "fp32"
+    source: str | None = None  # the source model as given at export (the torch backend rebuilds it)
+    architecture: str = ""
+    source_layers: int | None = None
+    hidden_size: int | None = None
+    num_heads: int | None = None
+    parameters: int = 0
+    head_vocab: int | None = None  # a restricted head: logits of other tokens are -inf
+    inputs: dict = field(default_factory=dict)  # graph input name -> shape (symbols T, L)
+    outputs: dict = field(default_factory=dict)
+    kv_aliases: dict = field(default_factory=dict)  # present output -> the past input it writes in place
+    quantization: dict | None = None
+    parity: dict | None = None
+    trt: dict | None = None  # the TensorRT plan built from this graph (`specdeploy build`)
+
+    @property
+    def kv_names(self) -> list[tuple[str, str]]:
+        """(input, output) names of the KV buffers, in layer order: key then value."""
+        from .graph_io import kv_names
+
+        return kv_names(self.num_layers)
+
+    @classmethod
+    def from_dict(cls, role: str, d: Any) -> "ModelSpec":
+        where = f"manifest models.{role}"
+        if not isinstance(d, dict):
+            raise BundleError(f"{where}: expected an object, got {d!r:.60}")
+        ints = {k: _positive(_take(d, k, int, where), k, where) for k in ("num_layers", "num_kv_heads", "head_dim", "vocab_size")}
+        return cls(
+            role=role,
+            graph=_take(d, "graph", str, where),
+            kv_dtype=_take(d, "kv_dtype", str, where),
+            sliding_window=_take(d, "sliding_window", int, where, optional=True),
+            dtype=_take(d, "dtype", str, where, optional=True) or "fp32",
+            source=_take(d, "source", str, where, optional=True),
+            architecture=_take(d, "architecture", str, where, optional=True) or "",
+            source_layers=_take(d, "source_layers", int, where, optional=True),
+            hidden_size=_take(d, "hidden_size", int, where, optional=True),
+            num_heads=_take(d, "num_heads", int, where, optional=True),
+            parameters=_take(d, "parameters", int, where, optional=True) or 0,
+            head_vocab=_take(d, "head_vocab", int, where, optional=True),
+            inputs=_take(d, "inputs", dict, where, optional=True) or {},
+            outputs=_take(d, "outputs", dict, where, optional=True) or {},
+            kv_aliases=_take(d, "kv_aliases", dict, where, optional=True) or {},
+            quantization=_take(d, "quantization", dict, where, optional=True),
+            parity=_take(d, "parity", dict, where, optional=True),
+            trt=_take(d, "trt", dict, where, optional=True),
+            **ints,
+        )
+
+    def as_dict(self) -> dict:
+        d = {
+            "graph": self.graph, "source": self.source, "architecture": self.architecture,
+            "num_layers": self.num_layers, "source_layers": self.source_layers, "hidden_size": self.hidden_size,
+            "num_heads": self.num_heads, "num_kv_heads": self.num_kv_heads, "head_dim": self.head_dim,
+            "vocab_size": self.vocab_size, "dtype": self.dtype, "kv_dtype": self.kv_dtype,
+            "sliding_window": self.sliding_window, "parameters": self.parameters, "inputs": self.inputs,
+            "outputs": self.outputs, "kv_aliases": self.kv_aliases,
+        }
+        for key in ("head_vocab", "quantization", "parity", "trt"):
+            if getattr(self, key) is not None:
+                d[key] = getattr(self, key)
+        return d
+
+    def replace(self, **changes) -> "ModelSpec":
+        return dataclasses.replace(self, **changes)
+
+
+@dataclass(frozen=True)
+class DraftEntry:
+    """How the bundle drafts: `kind` and that kind's settings."""
+
+    kind: str  # one of DRAFT_KINDS
+    layers: int | None = None  # self: the target's first N layers
+    source: str | None = None  # model: the draft as given at export
+    distilled: dict | None = None  # model: how `specdeploy distill` made it
+    max_ngram: int | None = None  # ngram: the longest and shortest n-grams looked up
+    min_ngram: int | None = None
+
+    @classmethod
+    def from_dict(cls, d: Any, where: str = "manifest draft") -> "DraftEntry":
+        if not isinstance(d, dict):
+            raise BundleError(f"{where}: expected an object, got {d!r:.60}")
+        kind = _take(d, "kind", str, where)
+        if kind not in DRAFT_KINDS:
+            raise BundleError(f"{where}: kind {kind!r} is not one of {', '.join(DRAFT_KINDS)}")
+        entry = cls(
+            kind=kind,
+            layers=_take(d, "layers", int, where, optional=True),
+            source=_take(d, "source", str, where, optional=True),
+            distilled=_take(d, "distilled", dict, where, optional=True),
+            max_ngram=_take(d, "max_ngram", int, where, optional=True),
+            min_ngram=_take(d, "min_ngram", int, where, optional=True),
+        )
+        for key in ("layers", "max_ngram", "min_ngram"):
+            if getattr(entry, key) is not None:
+                _positive(getattr(entry, key), key, where)
+        return entry
+
+    def as_dict(self) -> dict:
+        return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
+
+
+@dataclass(frozen=True)
+class TokenizerEntry:
+    file: str
+    eos_token_ids: list[int]
+    bos_token: str | None = None
+    eos_token: str | None = None
+    chat_template: str | None = None
+
+    @classmethod
+    def from_dict(cls, d: Any, where: str = "manifest tokenizer") -> "TokenizerEntry":
+        if not isinstance(d, dict):
+            raise BundleError(f"{where}: expected an object, got {d!r:.60}")
+        eos = _take(d, "eos_token_ids", list, where)
+        if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in eos):
+            raise BundleError(f"{where}: field 'eos_token_ids' must be a list of token ids, got {eos!r:.60}")
+        return cls(
+            file=_take(d, "file", str, where),
+            eos_token_ids=list(eos),
+            bos_token=_take(d, "bos_token", str, where, optional=True),
+            eos_token=_take(d, "eos_token", str, where, optional=True),
+            chat_template=_take(d, "chat_template", str, where, optional=True),
+        )
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True)
+class Manifest:
+    max_seq: int
+    max_draft: int
+    prefill_chunk: int
+    draft: DraftEntry
+    models: dict[str, ModelSpec]  # "target", and "draft" for a model draft
+    tokenizer: TokenizerEntry
+    files: dict[str, str] = field(default_factory=dict)  # file name -> sha256
+    created_by: str = ""
+    created_at: str = ""
+    export_seconds: float | None = None
+
+    @classmethod
+    def from_dict(cls, d: Any, where: str = MANIFEST) -> "Manifest":
+        if not isinstance(d, dict) or d.get("format") != FORMAT:
+            raise BundleError(f"{where}: not a specdeploy manifest (no \"format\": \"{FORMAT}\")")
+        version = d.get("format_version")
+        if version != FORMAT_VERSION:
+            raise BundleError(
+                f"{where}: format version {version!r} is not supported "
+                f"(this specdeploy reads version {FORMAT_VERSION}); re-export the bundle"
+            )
+        models = _take(d, "models", dict, f"{where}")
+        if "target" not in models:
+            raise BundleError(f"{where}: models has no 'target' entry")
+        files = _take(d, "files", dict, where)
+        if not all(isinstance(k, str) and isinstance(v, str) for k, v in files.items()):
+            raise BundleError(f"{where}: field 'files' must map file names to sha256 strings")
+        seconds = _take(d, "export_seconds", (int, float), where, optional=True)
+        return cls(
+            max_seq=_positive(_take(d, "max_seq", int, where), "max_seq", where),
+            max_draft=_positive(_take(d, "max_draft", int, where), "max_draft", where),
+            prefill_chunk=_positive(_take(d, "prefill_chunk", int, where), "prefill_chunk", where),
+            draft=DraftEntry.from_dict(d.get("draft")),
+            models={role: ModelSpec.from_dict(role, entry) for role, entry in models.items()},
+            tokenizer=TokenizerEntry.from_dict(d.get("tokenizer")),
+            files=dict(files),
+            created_by=_take(d, "created_by", str, where, optional=True) or "",
+            created_at=_take(d, "created_at", str, where, optional=True) or "",
+            export_seconds=seconds,
+        )
+
+    def as_dict(self) -> dict:
+        d = {
+            "format": FORMAT,
+            "format_version": FORMAT_VERSION,
+            "created_by": self.created_by,
+            "created_at": self.created_at,
+            "max_seq": self.max_seq,
+            "max_draft": self.max_draft,
+            "prefill_chunk": self.prefill_chunk,
+            "draft": self.draft.as_dict(),
+            "models": {role: m.as_dict() for role, m in self.models.items()},
+            "tokenizer": self.tokenizer.as_dict(),
+        }
+        if self.export_seconds is not None:
+            d["export_seconds"] = self.export_seconds
+        d["files"] = dict(sorted(self.files.items()))
+        return d
+
+    def replace(self, **changes) -> "Manifest":
+        return dataclasses.replace(self, **changes)
+
+
+def checksums(folder: Path, names) -> dict[str, str]:
+    """{name: sha256} of the named files of `folder`, sorted by name."""
+    return {name: sha256_file(folder / name) for name in sorted(names)}
+
+
+def write_manifest(folder: Path, manifest: Manifest) -> None:
+    """Write `manifest.json` whole or not at all (a temporary file renamed over it)."""
+    path = Path(folder) / MANIFEST
+    tmp = path.with_name(f".{MANIFEST}.tmp")
+    tmp.write_text(json.dumps(manifest.as_dict(), indent=2) + "\n")
+    os.replace(tmp, path)
+
+
+@dataclass(frozen=True)
+class Bundle:
+    path: Path
+    manifest: Manifest
+
+    @property
+    def max_seq(self) -> int:
+        return self.manifest.max_seq
+
+    @property
+    def max_draft(self) -> int:
+        return self.manifest.max_draft
+
+    @property
+    def prefill_chunk(self) -> int:
+        return self.manifest.prefill_chunk
+
+    @property
+    def draft(self) -> DraftEntry:
+        return self.manifest.draft
+
+    @property
+    def draft_kind(self) -> str:
+        return self.manifest.draft.kind
+
+    @property
+    def tokenizer(self) -> TokenizerEntry:
+        return self.manifest.tokenizer
+
+    def model(self, role: str) -> ModelSpec | None:
+        return self.manifest.models.get(role)
+
+    def file(self, name: str) -> Path:
+        return self.path / name
+
+
+def read_manifest(path: str | Path) -> Manifest:
+    """The manifest of the bundle folder `path`, checked field by field (no file checksums)."""
+    path = Path(path)
+    manifest_path = path / MANIFEST
+    if not path.is_dir():
+        raise BundleError(f"{path}: no such bundle folder")
+    if not manifest_path.is_file():
+        raise BundleError(f"{manifest_path}: missing; {path} is not a specdeploy bundle (run `specdeploy export`)")
+    try:
+        raw = json.loads(manifest_path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise BundleError(f"{manifest_path}: not valid JSON ({e})") from None
+    return Manifest.from_dict(raw, str(manifest_path))
+
+
+def load_bundle(path: str | Path, verify: bool = True) -> Bundle:
+    """Read and check a bundle: format version, fields, and (by default) the sha256 of every file."""
+    bundle = Bundle(Path(path), read_manifest(path))
+    if verify:
+        verify_files(bundle.path, bundle.manifest.files)
+    return bundle
+
+
+def verify_files(folder: Path, files: dict[str, str], rebuild_hint: str = "re-export the bundle") -> None:
+    """Every listed file is present with the sha256 the manifest records."""
+    for name, expected in files.items():
+        f = Path(folder) / name
+        if not f.is_file():
+            raise BundleError(f"bundle file {f} is missing; {rebuild_hint}")
+        actual = sha256_file(f)
+        if actual != expected:
+            raise BundleError(
+                f"bundle file {f} failed its checksum (sha256 {actual[:12]}..., manifest says {expected[:12]}...): "
+                f"it was altered after export; {rebuild_hint}"
+            )

@@ -1,0 +1,125 @@
+"""A draft graph with its own KV buffers: a separate model (`model`) or the target's first
+layers (`self`), run one token at a time, or chained on the device where the engines allow."""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from specdeploy.core.manifest import Bundle, DraftEntry
+
+from ..backends import make_engine
+from ..engine import Checked, Engine
+from ..sampling import SamplingParams, sample, warp
+
+
+class ModelDrafter:
+    """`min_confidence` (given per round by the draft-length policy) stops a round early when
+    the draft's own probability for the token it is about to propose falls below it."""
+
+    kind = "model"
+
+    def __init__(self, engine: Engine, cost_ratio: float = 0.0):
+        self.engine = engine
+        self.cost_ratio = cost_ratio
+        self.fed = np.empty(engine.max_seq, dtype=np.int64)  # tokens whose K/V the cache holds
+        self.length = 0
+        self.passes = 0
+        self.seconds = 0.0
+        self._runs = None  # the engine's pass count when `fed` was last true (see Engine.runs)
+
+    @classmethod
+    def from_bundle(cls, bundle: Bundle, backend: str, threads: int | None) -> "ModelDrafter":
+        draft, target = bundle.model("draft"), bundle.model("target")
+        # At batch 1 a pass costs about what it reads: the ratio of parameters, until measured.
+        return cls(make_engine(backend, bundle, draft, threads), draft.parameters / max(target.parameters, 1))
+
+    @staticmethod
+    def describe(entry: DraftEntry) -> str:
+        return f"a separate model ({entry.source})"
+
+    def fork(self) -> "ModelDrafter":
+        return type(self)(self.engine.fork(), self.cost_ratio)
+
+    def reset(self) -> None:
+        self.length = 0
+
+    def _rollback(self, ids: np.ndarray) -> np.ndarray:
+        """Rollback is moving the length back to what the cache and the text agree on; the
+        first pass then catches up on every token the cache has not seen (returned). If
+        anyone else ran the engine since (or a pass of ours failed), nothing is trusted."""
+        if self.engine.runs != self._runs:
+            self.length = 0
+        m = min(self.length, ids.shape[0] - 1)
+        same = self.fed[:m] == ids[:m]
+        self.length = m if same.all() else int(same.argmin())
+        return ids[self.length :]
+
+    def fused_with(self, target: Engine) -> bool:
+        """Whether a round can run draft and verify on the device with one host
+        synchronisation: both engines chain, on one device."""
+        return self.engine.chains and target.chains and self.engine.device == target.device
+
+    def propose_and_verify(self, target: Engine, ids: np.ndarray, k: int, params: SamplingParams,
+                           rng: np.random.Generator) -> Checked:
+        """The fused round: k draft tokens chained on the device, verified by the target from
+        device memory, one host synchronisation. Under sampling the device generator is seeded
+        from `rng`, so a seeded run replays."""
+        t0 = time.perf_counter()
+        pending = self._rollback(ids)
+        seed = None if params.greedy else int(rng.integers(1 << 62))
+        chain = self.engine.draft_chain(pending, self.length, k, None if params.greedy else params, seed)
+        checked = target.verify_chain(int(ids[-1]), chain, ids.shape[0] - 1)
+        fed = np.concatenate([pending, checked.draft_tokens[:-1]])  # the chain fed every draft token but the last
+        self.fed[self.length : self.length + fed.shape[0]] = fed
+        self.length += fed.shape[0]
+        self.passes += k
+        self._runs = self.engine.runs
+        draft_seconds = self.engine.chain_seconds()
+        self.seconds += draft_seconds
+        checked.verify_seconds = time.perf_counter() - t0 - draft_seconds
+        return checked
+
+    def propose(self, ids: np.ndarray, k: int, params: SamplingParams, rng: np.random.Generator,
+                min_confidence: float = 0.0):
+        """ids [n] committed tokens -> up to k draft tokens and their draft probs."""
+        t0 = time.perf_counter()
+        pending = self._rollback(ids)
+        tokens = np.empty(k, dtype=np.int64)
+        probs = None if params.greedy else np.empty((k, self.engine.vocab_size), dtype=np.float64)
+        count = 0
+        for i in range(k):
+            logits = self.engine.forward(pending, self.length)[-1]
+            self.fed[self.length : self.length + pending.shape[0]] = pending
+            self.length += pending.shape[0]
+            self.passes += 1
+            if params.greedy:
+                token = int(logits.argmax())
+                confidence = _softmax_max(logits) if min_confidence else 1.0
+            else:
+                probs[i] = warp(logits, params)
+                token = sample(probs[i], rng)
+                confidence = probs[i, token]
+            if i > 0 and confidence < min_confidence:
+                break  # unsure: stop drafting here (the first token is always proposed)
+            tokens[i] = token
+            count += 1
+            pending = tokens[i : i + 1]
+        self._runs = self.engine.runs
+        self.seconds += time.perf_counter() - t0
+        return tokens[:count], None if probs is None else probs[:count]
+
+
+class SelfDrafter(ModelDrafter):
+    """The target's first N layers with its own norm and head, exported as a graph of its own."""
+
+    kind = "self"
+
+    @staticmethod
+    def describe(entry: DraftEntry) -> str:
+        return f"the target's first {entry.layers} layers + its norm and head"
+
+
+def _softmax_max(logits: np.ndarray) -> float:
+    z = logits - logits.max()
+    return float(1.0 / np.exp(z).sum())

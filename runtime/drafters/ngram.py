@@ -1,0 +1,71 @@
+"""Prompt lookup: a drafter with no graph at all."""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from specdeploy.core.manifest import Bundle, DraftEntry
+
+from ..engine import Checked, Engine
+from ..sampling import SamplingParams
+
+
+class NgramDrafter:
+    """Find the latest earlier occurrence of the text's last n tokens (n from max_ngram down
+    to min_ngram) and propose what followed it."""
+
+    kind = "ngram"
+    engine = None
+    cost_ratio = 0.0  # a lookup costs next to nothing beside a pass
+
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
+        self.max_ngram = max_ngram
+        self.min_ngram = min_ngram
+        self.passes = 0
+        self.seconds = 0.0
+
+    @classmethod
+    def from_bundle(cls, bundle: Bundle, backend: str, threads: int | None) -> "NgramDrafter":
+        entry = bundle.draft
+        return cls(entry.max_ngram or 3, entry.min_ngram or 1)
+
+    @staticmethod
+    def describe(entry: DraftEntry) -> str:
+        return f"prompt lookup, n-grams {entry.max_ngram}..{entry.min_ngram}, no graph"
+
+    def fork(self) -> "NgramDrafter":
+        return NgramDrafter(self.max_ngram, self.min_ngram)
+
+    def reset(self) -> None:
+        pass
+
+    def fused_with(self, target: Engine) -> bool:
+        return False  # a lookup on the host: the verify pass is an ordinary one
+
+    def propose_and_verify(self, target, ids, k, params, rng) -> Checked:
+        raise NotImplementedError("an n-gram round is never fused (see fused_with)")
+
+    def propose(self, ids: np.ndarray, k: int, params: SamplingParams, rng: np.random.Generator,
+                min_confidence: float = 0.0):
+        t0 = time.perf_counter()
+        found = lookup(ids, k, self.max_ngram, self.min_ngram)
+        self.seconds += time.perf_counter() - t0
+        return found, None
+
+
+def lookup(ids: np.ndarray, k: int, max_ngram: int, min_ngram: int) -> np.ndarray:
+    """The up-to-k tokens that followed the latest earlier match of ids' last n tokens.
+
+    >>> lookup(np.array([5, 6, 7, 8, 5, 6]), 2, 3, 1)
+    array([7, 8])
+    """
+    n_ids = ids.shape[0]
+    for n in range(min(max_ngram, n_ids - 1), min_ngram - 1, -1):
+        pattern = ids[n_ids - n :]
+        windows = np.lib.stride_tricks.sliding_window_view(ids[: n_ids - 1], n)
+        hits = np.flatnonzero((windows == pattern).all(axis=1))
+        if hits.size:
+            start = int(hits[-1]) + n
+            return ids[start : start + k].copy()
+    return np.empty(0, dtype=np.int64)

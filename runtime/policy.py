@@ -1,0 +1,79 @@
+"""The draft-length policy: how many tokens to draft each round."""
+from __future__ import annotations
+
+from specdeploy.core.analytic import predicted_speedup
+
+
+class DraftLength:
+    """Chooses k each round: pinned, or `auto` within the bundle's maximum.
+
+    auto picks the k (0 included: a plain step, when no draft length pays; it then probes
+    with k = 1 every few rounds) that maximises expected tokens per unit of time under the analytic
+    model (DESIGN.md section 4) with the acceptance rate a and the cost ratio c measured so
+    far in this generation: tokens(k) = (1 - a^(k+1)) / (1 - a), time(k) = k*c + v(k), where
+    v(k) is the verify pass's cost at T = k+1 relative to T = 1 (it grows a little with T).
+    When it measures (greedy), its second round is one plain step: the T = 1 pass that c
+    and v(k) are measured against (a verify pass at T = 2 is not one).
+    Under auto a model drafter also stops early when it is unsure of its next token (its
+    confidence below `min_confidence`, which the loop hands it each round; 0 when k is
+    pinned). Greedy output never depends on k: it only changes the speed.
+    """
+
+    def __init__(
+        self, max_k: int, fixed: int | None = None, min_confidence: float = 0.3, decay: float = 0.8,
+        cost_ratio: float = 0.1, measure: bool = True,
+    ):
+        self.max_k = max_k
+        # Under sampling the chosen k decides how many random draws a round uses, so a
+        # seeded run replays only if k never depends on wall-clock timings: then the cost
+        # ratio stays at its static estimate (`measure=False`). Greedy output does not
+        # depend on k, so there the measured costs steer it.
+        self.measure = measure
+        self.fixed = fixed
+        self.min_confidence = 0.0 if fixed is not None else min_confidence
+        self.decay = decay
+        self.accepted = 2.0  # pseudo-counts: start at a = 2/3, optimistic enough to try drafting
+        self.rejected = 1.0
+        self.cost_ratio = cost_ratio  # draft step / verify pass: a static estimate, then measured
+        self.verify_slope = 0.05  # extra verify cost per extra token, relative to T = 1
+        self._verify_t1: float | None = None
+        self.probe_every = 8
+        self._rounds = 0
+
+    @property
+    def acceptance(self) -> float:
+        return self.accepted / (self.accepted + self.rejected)
+
+    def choose(self) -> int:
+        if self.fixed is not None:
+            return self.fixed
+        self._rounds += 1
+        if self.measure and self._verify_t1 is None and self._rounds == 2:
+            return 0  # one plain step: the T = 1 pass every other cost is measured against
+        a = min(self.acceptance, 0.999)
+        best_k, best = 0, 1.0  # k = 0: a plain step, one verify pass at T = 1 per token
+        for k in range(1, self.max_k + 1):
+            rate = predicted_speedup(a, k, self.cost_ratio, self.verify_slope)
+            if rate > best:
+                best_k, best = k, rate
+        if best_k == 0 and self._rounds % self.probe_every == 0:
+            return 1  # drafting does not pay so far: probe now and then in case the text changed
+        return best_k
+
+    def update(self, proposed: int, accepted: int, draft_seconds: float, verify_seconds: float) -> None:
+        """After each round: `proposed` draft tokens (0: the pass was a plain step at T = 1),
+        `accepted` of them, the draft's and the verify pass's seconds."""
+        d = self.decay
+        self.accepted = d * self.accepted + accepted
+        self.rejected = d * self.rejected + (1 if accepted < proposed else 0)
+        if verify_seconds <= 0 or not self.measure:
+            return
+        if proposed == 0:  # a plain step: the reference cost of a T = 1 pass
+            t1 = self._verify_t1
+            self._verify_t1 = verify_seconds if t1 is None else d * t1 + (1 - d) * verify_seconds
+            return
+        t1 = self._verify_t1 or verify_seconds / (1 + self.verify_slope * proposed)
+        self.cost_ratio = d * self.cost_ratio + (1 - d) * (draft_seconds / proposed) / t1
+        if self._verify_t1:
+            slope = max(0.0, (verify_seconds / t1 - 1) / proposed)
+            self.verify_slope = d * self.verify_slope + (1 - d) * slope
