@@ -52,10 +52,25 @@ def _take(d: dict, key: str, kind, where: str, optional: bool = False):
     return value
 
 
-def _positive(value: int, key: str, where: str) -> int:
-    if value < 1:
-        raise BundleError(f"{where}: field {key!r} must be at least 1, got {value}")
+def _positive(value: int, key: str, where: str, most: int | None = None) -> int:
+    if value < 1 or (most is not None and value > most):
+        allowed = f"[1, {most}]" if most is not None else "at least 1"
+        raise BundleError(f"{where}: field {key!r} is {value}, outside {allowed}")
     return value
+
+
+# Plausibility bounds: far beyond any model this exports, near enough to stop a tampered
+# manifest from asking for absurd loops or allocations before the memory budget is checked.
+MOST = {"num_layers": 1024, "num_kv_heads": 1024, "head_dim": 4096, "vocab_size": 1 << 22,
+        "max_seq": 1 << 20, "max_draft": 32}
+KV_DTYPES = ("float32", "float16")
+
+
+def bundle_file_name(name: Any, where: str) -> str:
+    """A file of the bundle is a plain name inside its folder: no folders, no '..', not absolute."""
+    if not isinstance(name, str) or not name or name in (".", "..") or "/" in name or "\\" in name or "\0" in name:
+        raise BundleError(f"{where}: {name!r} is not a plain file name inside the bundle folder")
+    return name
 
 
 @dataclass(frozen=True)
@@ -72,7 +87,8 @@ class ModelSpec:
     kv_dtype: str  # numpy dtype name of the KV buffers
     sliding_window: int | None = None
     dtype: str = "fp32"
-    source: str | None = None  # the source model as given at export (the torch backend rebuilds it)
+    source: str | None = None  # the source model, resolved at export (the torch backend rebuilds it)
+    source_sha256: str | None = None  # of the source's files, checked before a rebuild
     architecture: str = ""
     source_layers: int | None = None
     hidden_size: int | None = None
@@ -98,12 +114,20 @@ class ModelSpec:
         where = f"manifest models.{role}"
         if not isinstance(d, dict):
             raise BundleError(f"{where}: expected an object, got {d!r:.60}")
-        ints = {k: _positive(_take(d, k, int, where), k, where) for k in ("num_layers", "num_kv_heads", "head_dim", "vocab_size")}
+        ints = {k: _positive(_take(d, k, int, where), k, where, MOST[k])
+                for k in ("num_layers", "num_kv_heads", "head_dim", "vocab_size")}
+        kv_dtype = _take(d, "kv_dtype", str, where)
+        if kv_dtype not in KV_DTYPES:
+            raise BundleError(f"{where}: field 'kv_dtype' is {kv_dtype!r}, not one of {', '.join(KV_DTYPES)}")
+        trt = _take(d, "trt", dict, where, optional=True)
+        if trt is not None:
+            bundle_file_name(trt.get("plan"), f"{where}.trt.plan")
         return cls(
             role=role,
-            graph=_take(d, "graph", str, where),
-            kv_dtype=_take(d, "kv_dtype", str, where),
+            graph=bundle_file_name(_take(d, "graph", str, where), f"{where}.graph"),
+            kv_dtype=kv_dtype,
             sliding_window=_take(d, "sliding_window", int, where, optional=True),
+            source_sha256=_take(d, "source_sha256", str, where, optional=True),
             dtype=_take(d, "dtype", str, where, optional=True) or "fp32",
             source=_take(d, "source", str, where, optional=True),
             architecture=_take(d, "architecture", str, where, optional=True) or "",
@@ -117,13 +141,14 @@ class ModelSpec:
             kv_aliases=_take(d, "kv_aliases", dict, where, optional=True) or {},
             quantization=_take(d, "quantization", dict, where, optional=True),
             parity=_take(d, "parity", dict, where, optional=True),
-            trt=_take(d, "trt", dict, where, optional=True),
+            trt=trt,
             **ints,
         )
 
     def as_dict(self) -> dict:
         d = {
-            "graph": self.graph, "source": self.source, "architecture": self.architecture,
+            "graph": self.graph, "source": self.source, "source_sha256": self.source_sha256,
+            "architecture": self.architecture,
             "num_layers": self.num_layers, "source_layers": self.source_layers, "hidden_size": self.hidden_size,
             "num_heads": self.num_heads, "num_kv_heads": self.num_kv_heads, "head_dim": self.head_dim,
             "vocab_size": self.vocab_size, "dtype": self.dtype, "kv_dtype": self.kv_dtype,
@@ -134,6 +159,11 @@ class ModelSpec:
             if getattr(self, key) is not None:
                 d[key] = getattr(self, key)
         return d
+
+    def kv_bytes(self, max_seq: int) -> int:
+        """What the KV buffers of this graph take: 2 per layer, [1, Hkv, max_seq, D]."""
+        itemsize = 4 if self.kv_dtype == "float32" else 2
+        return 2 * self.num_layers * self.num_kv_heads * max_seq * self.head_dim * itemsize
 
     def replace(self, **changes) -> "ModelSpec":
         return dataclasses.replace(self, **changes)
@@ -190,7 +220,7 @@ class TokenizerEntry:
         if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in eos):
             raise BundleError(f"{where}: field 'eos_token_ids' must be a list of token ids, got {eos!r:.60}")
         return cls(
-            file=_take(d, "file", str, where),
+            file=bundle_file_name(_take(d, "file", str, where), f"{where}.file"),
             eos_token_ids=list(eos),
             bos_token=_take(d, "bos_token", str, where, optional=True),
             eos_token=_take(d, "eos_token", str, where, optional=True),
@@ -228,13 +258,16 @@ class Manifest:
         if "target" not in models:
             raise BundleError(f"{where}: models has no 'target' entry")
         files = _take(d, "files", dict, where)
-        if not all(isinstance(k, str) and isinstance(v, str) for k, v in files.items()):
-            raise BundleError(f"{where}: field 'files' must map file names to sha256 strings")
+        for name, sha in files.items():
+            bundle_file_name(name, f"{where}: files")
+            if not (isinstance(sha, str) and len(sha) == 64):
+                raise BundleError(f"{where}: files[{name!r}] must be a sha256 hex digest")
         seconds = _take(d, "export_seconds", (int, float), where, optional=True)
-        return cls(
-            max_seq=_positive(_take(d, "max_seq", int, where), "max_seq", where),
-            max_draft=_positive(_take(d, "max_draft", int, where), "max_draft", where),
-            prefill_chunk=_positive(_take(d, "prefill_chunk", int, where), "prefill_chunk", where),
+        max_seq = _positive(_take(d, "max_seq", int, where), "max_seq", where, MOST["max_seq"])
+        manifest = cls(
+            max_seq=max_seq,
+            max_draft=_positive(_take(d, "max_draft", int, where), "max_draft", where, min(MOST["max_draft"], max_seq - 1)),
+            prefill_chunk=_positive(_take(d, "prefill_chunk", int, where), "prefill_chunk", where, max_seq),
             draft=DraftEntry.from_dict(d.get("draft")),
             models={role: ModelSpec.from_dict(role, entry) for role, entry in models.items()},
             tokenizer=TokenizerEntry.from_dict(d.get("tokenizer")),
@@ -243,6 +276,17 @@ class Manifest:
             created_at=_take(d, "created_at", str, where, optional=True) or "",
             export_seconds=seconds,
         )
+        # Every file the runtime opens is one whose checksum the manifest records.
+        opened = [manifest.tokenizer.file] + [m.graph for m in manifest.models.values()]
+        opened += [m.trt["plan"] for m in manifest.models.values() if m.trt]
+        for name in opened:
+            if name not in manifest.files:
+                raise BundleError(f"{where}: {name} is used but not listed in 'files' (no checksum): re-export the bundle")
+        return manifest
+
+    def kv_bytes(self) -> int:
+        """What every model's KV buffers take together."""
+        return sum(m.kv_bytes(self.max_seq) for m in self.models.values())
 
     def as_dict(self) -> dict:
         d = {
@@ -312,7 +356,30 @@ class Bundle:
         return self.manifest.models.get(role)
 
     def file(self, name: str) -> Path:
-        return self.path / name
+        """A file of the bundle; one that lies outside the folder (a symlink out) is an error."""
+        path = self.path / bundle_file_name(name, str(self.path))
+        if path.is_symlink() and self.path.resolve() not in path.resolve().parents:
+            raise BundleError(f"bundle file {path} links outside the bundle folder; re-export the bundle")
+        return path
+
+    def check_memory(self, budget: int | None = None) -> None:
+        """The KV buffers a session allocates fit `budget` bytes (default: half this machine's
+        memory), checked before anything is allocated."""
+        budget = memory_budget() if budget is None else budget
+        need = self.manifest.kv_bytes()
+        if need > budget:
+            raise BundleError(
+                f"{self.path}: the KV buffers need {need / 2**30:.1f} GiB (max_seq {self.max_seq}), more than the "
+                f"memory budget of {budget / 2**30:.1f} GiB (half of this machine's memory); re-export with a smaller --max-seq"
+            )
+
+
+def memory_budget() -> int:
+    """Half of this machine's physical memory, in bytes."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 2
+    except (ValueError, OSError, AttributeError):
+        return 8 << 30
 
 
 def read_manifest(path: str | Path) -> Manifest:
@@ -339,9 +406,12 @@ def load_bundle(path: str | Path, verify: bool = True) -> Bundle:
 
 
 def verify_files(folder: Path, files: dict[str, str], rebuild_hint: str = "re-export the bundle") -> None:
-    """Every listed file is present with the sha256 the manifest records."""
+    """Every listed file is present, inside `folder`, with the sha256 the manifest records."""
+    inside = Path(folder).resolve()
     for name, expected in files.items():
-        f = Path(folder) / name
+        f = Path(folder) / bundle_file_name(name, str(folder))
+        if f.is_symlink() and inside not in f.resolve().parents:
+            raise BundleError(f"bundle file {f} links outside the bundle folder; {rebuild_hint}")
         if not f.is_file():
             raise BundleError(f"bundle file {f} is missing; {rebuild_hint}")
         actual = sha256_file(f)

@@ -21,7 +21,7 @@ from specdeploy.core.manifest import MANIFEST, Manifest, ModelSpec, TokenizerEnt
 
 from .drafts import parse_draft
 from .graph import SpecGraph, restrict_head
-from .load import Source, eos_token_ids, load_source
+from .load import Source, eos_token_ids, load_source, source_digest
 from .onnx_export import DTYPES, KV_DTYPES, check_parity, export_onnx
 from .quantize import SCHEMES, quantize_model
 
@@ -53,7 +53,8 @@ def model_entry(graph: SpecGraph, source: Source, role: str, graph_file: str, dt
     return ModelSpec(
         role=role,
         graph=graph_file,
-        source=str(source.path),
+        source=str(Path(source.path).resolve()),
+        source_sha256=source_digest(source.path),
         architecture=cfg.model_type,
         num_layers=graph.num_layers,
         source_layers=cfg.num_hidden_layers,
@@ -126,6 +127,16 @@ def rebuild_graph(spec: ModelSpec) -> SpecGraph:
     """The module a bundle's graph was exported from, rebuilt from the source model its
     manifest entry names (what the torch backend runs); a source that changed since export
     (another parameter count) is an error."""
+    if spec.source is None or not Path(spec.source).exists():
+        raise BundleError(
+            f"the torch backend rebuilds the {spec.role} from its source model: {spec.source}: "
+            "no such model folder or .gguf file"
+        )
+    if spec.source_sha256 is not None and source_digest(Path(spec.source)) != spec.source_sha256:
+        raise BundleError(
+            f"{spec.source}: the {spec.role}'s source model changed after export (its sha256 differs from the "
+            "manifest's); re-export the bundle"
+        )
     try:
         source = load_source(spec.source)
     except ExportError as e:

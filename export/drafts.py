@@ -137,7 +137,7 @@ class ModelDraft:
         distilled = self.source.distilled if self.source is not None else None
         # how `specdeploy distill` made it (its vocabulary is in the graph)
         record = {k: v for k, v in distilled.items() if k != "vocab"} if distilled else None
-        return DraftEntry("model", source=str(self.path), distilled=record)
+        return DraftEntry("model", source=str(self.path.resolve()), distilled=record)
 
 
 RECIPES: tuple[type, ...] = (NoDraft, NgramDraft, SelfDraft, ModelDraft)  # asked in order; a path last

@@ -1,6 +1,7 @@
 """Load a source model: a Hugging Face folder (safetensors) or a .gguf file."""
 from __future__ import annotations
 
+import hashlib
 import importlib.metadata
 import json
 from dataclasses import dataclass
@@ -25,6 +26,20 @@ def embedded_default() -> Path:
     if not path.is_file():
         raise ExportError(f"{path}: missing from the installed {EMBEDDED_PACKAGE} package")
     return path
+
+
+def source_digest(path: Path) -> str:
+    """sha256 of a source model: of the .gguf file, or over a folder's files (names and
+    contents), so a rebuild from it can tell that it changed since export."""
+    from specdeploy.core.manifest import sha256_file
+
+    path = Path(path)
+    if path.is_file():
+        return sha256_file(path)
+    h = hashlib.sha256()
+    for f in sorted(p for p in path.rglob("*") if p.is_file()):
+        h.update(f"{f.relative_to(path)}\0{sha256_file(f)}\n".encode())
+    return h.hexdigest()
 
 
 @dataclass

@@ -11,6 +11,8 @@ import time
 
 import numpy as np
 
+from specdeploy.core.errors import BundleError
+
 from .drafters import Drafter
 from .engine import Checked, Engine
 from .policy import DraftLength
@@ -74,11 +76,24 @@ def speculative_round(
         t0 = time.perf_counter()
         target_logits = target.forward(np.concatenate([ids[-1:], draft_tokens]), ids.shape[0] - 1)  # [k'+1, V]
         checked = Checked(draft_tokens, draft_probs, target_logits, verify_seconds=time.perf_counter() - t0)
+        check_finite(target, target_logits, ids.shape[0] - 1)
     stats.verify_seconds += checked.verify_seconds
     stats.target_passes += 1
     n_accepted, next_token = accept(checked, params, rng)
     stats.record_round(k if drafter is not None else None, checked.draft_tokens.shape[0], n_accepted)
     return np.append(checked.draft_tokens[:n_accepted], next_token)
+
+
+def check_finite(target: Engine, target_logits: np.ndarray, start: int) -> None:
+    """Stop on logits that are NaN or +inf (or a row that is all -inf): altered weights or a
+    broken graph, which would otherwise decode as token 0 over and over."""
+    row_max = target_logits.max(axis=-1)
+    bad = np.flatnonzero(~np.isfinite(row_max))
+    if bad.size:
+        raise BundleError(
+            f"{target.name}: non-finite logits ({row_max[bad[0]]}) at position {start + int(bad[0])}: "
+            "the bundle's weights or graph are broken; re-export the bundle"
+        )
 
 
 def accept(checked: Checked, params: SamplingParams, rng: np.random.Generator) -> tuple[int, int]:

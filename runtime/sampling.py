@@ -33,6 +33,8 @@ class SamplingParams:
             raise InputError(f"top-k {self.top_k} must be >= 0 (0: off)")
         if not (0.0 < self.top_p <= 1.0):
             raise InputError(f"top-p {self.top_p} is outside (0, 1]")
+        if self.seed is not None and not 0 <= self.seed < 1 << 64:
+            raise InputError(f"seed {self.seed} is outside [0, 2**64)")
 
     @property
     def greedy(self) -> bool:

@@ -94,6 +94,7 @@ class Session:
         prompt is prefilled whole: what a benchmark comparing runs of one prompt wants."""
         self.bundle = bundle if isinstance(bundle, Bundle) else load_bundle(bundle, verify=verify)
         b = self.bundle
+        b.check_memory()  # before any buffer is allocated
         self.cache = PromptCache(b.max_seq) if prompt_cache else None
         self.tokenizer = Tokenizer(b.file(b.tokenizer.file), b.tokenizer)
         self.backend = backend
@@ -115,6 +116,7 @@ class Session:
 
     # -- prompt handling -------------------------------------------------------------
     def encode(self, prompt: str, chat: bool = False) -> list[int]:
+        _check_text(prompt, "the prompt")
         return self.tokenizer.encode_chat(prompt) if chat else self.tokenizer.encode(prompt)
 
     def encode_messages(self, messages: list[dict[str, str]]) -> list[int]:
@@ -168,7 +170,7 @@ class Session:
         """
         if (prompt is None) == (prompt_ids is None):
             raise InputError("give either a prompt text or prompt token ids")
-        ids = np.asarray(self.encode(prompt, chat) if prompt is not None else prompt_ids, dtype=np.int64).reshape(-1)
+        ids = _as_ids(self.encode(prompt, chat) if prompt is not None else prompt_ids)
         params = SamplingParams(temperature, top_k, top_p, seed)
         if draft_len in (None, "auto"):
             cost = self.drafter.cost_ratio if self.drafter is not None else 0.0
@@ -217,6 +219,24 @@ class Session:
             texts.append(piece.text)
             ids += piece.token_ids
         return Result("".join(texts), ids, gen.stats)
+
+
+def _check_text(text, what: str) -> None:
+    """Text is a str that UTF-8 can carry (no lone surrogates)."""
+    if not isinstance(text, str):
+        raise InputError(f"{what} must be text, got {type(text).__name__}")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise InputError(f"{what} is not valid Unicode text (a lone surrogate at character {e.start})") from None
+
+
+def _as_ids(values) -> np.ndarray:
+    """Prompt token ids as int64 [n]; ids past int64 (or not integers) are a one-line error."""
+    try:
+        return np.asarray(values, dtype=np.int64).reshape(-1)
+    except (OverflowError, TypeError, ValueError):
+        raise InputError("prompt token ids must be integers in [0, the vocabulary size)") from None
 
 
 def _as_int(value, what: str) -> int:

@@ -12,7 +12,8 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
-from specdeploy.core.graph_io import attention_mask, check_pass
+from specdeploy.core.errors import BundleError
+from specdeploy.core.graph_io import attention_mask, check_pass, io_names
 from specdeploy.core.manifest import ModelSpec
 
 
@@ -29,8 +30,29 @@ def session_options(threads: int | None = None, spinning: bool = True) -> ort.Se
     so.intra_op_num_threads = threads or os.cpu_count() or 1
     so.inter_op_num_threads = 1
     so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
-    so.log_severity_level = 3
+    so.log_severity_level = 4  # fatal only: a graph that fails to load is our one-line error, not its log
     return so
+
+
+def _load(graph_path: Path, spec: ModelSpec, threads: int | None, spinning: bool) -> ort.InferenceSession:
+    """An InferenceSession for one graph of the bundle, or a one-line BundleError naming the file:
+    a graph ONNX Runtime cannot load, or whose inputs and outputs are not the graph contract's."""
+    try:
+        session = ort.InferenceSession(str(graph_path), session_options(threads, spinning),
+                                       providers=["CPUExecutionProvider"])
+    except Exception as e:  # InvalidProtobuf, Fail, InvalidGraph, NoSuchFile...: onnxruntime's own types
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise BundleError(f"{graph_path}: ONNX Runtime cannot load this graph ({reason[:200]}); re-export the bundle") from None
+    inputs, outputs = io_names(spec.num_layers)
+    have = ({i.name for i in session.get_inputs()}, {o.name for o in session.get_outputs()})
+    if have != (set(inputs), set(outputs)):
+        missing = sorted((set(inputs) - have[0]) | (set(outputs) - have[1]))
+        extra = sorted((have[0] - set(inputs)) | (have[1] - set(outputs)))
+        raise BundleError(
+            f"{graph_path}: its inputs and outputs are not the graph contract's for {spec.num_layers} layers "
+            f"(missing {missing[:4]}, unexpected {extra[:4]}); re-export the bundle"
+        )
+    return session
 
 
 class OrtEngine:
@@ -50,10 +72,7 @@ class OrtEngine:
         self.max_seq = max_seq
         self.vocab_size = spec.vocab_size
         self.runs = 0  # passes begun: a prompt prefix cache trusts the KV only if nobody else ran one
-        self.session = session or ort.InferenceSession(
-            str(graph_path), session_options(threads, spec.role != "draft" if spinning is None else spinning),
-            providers=["CPUExecutionProvider"],
-        )
+        self.session = session or _load(graph_path, spec, threads, spec.role != "draft" if spinning is None else spinning)
         shape = (1, spec.num_kv_heads, max_seq, spec.head_dim)
         # Host arrays own the memory; OrtValues view it. Allocated once, bound once.
         self.kv_arrays = [np.zeros(shape, dtype=spec.kv_dtype) for _ in spec.kv_names]
