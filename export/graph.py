@@ -135,7 +135,9 @@ class SpecGraph(nn.Module):
         self.contrib_ops = False  # see use_contrib_ops
         self.vocab_size = cfg.vocab_size
         # A distilled draft's head covers these tokens only (see restrict_head); None: all.
-        self.head_vocab = None if head_vocab is None else torch.tensor(head_vocab, dtype=torch.long)
+        # A buffer, so `.to(device)` moves it with the weights (a copy inside a pass would not capture).
+        self.register_buffer("head_vocab", None if head_vocab is None else torch.tensor(head_vocab, dtype=torch.long),
+                             persistent=False)
 
     def use_contrib_ops(self, positions: int) -> None:
         """Spell RoPE as ONNX Runtime's RotaryEmbedding (one node for what is otherwise about
@@ -201,5 +203,5 @@ class SpecGraph(nn.Module):
         logits = self.lm_head(rms_norm(self.norm, h)).float()
         if self.head_vocab is not None:  # one ScatterElements into rows of -inf
             full = logits.new_full((b, t, self.vocab_size), float("-inf"))
-            logits = full.scatter(-1, self.head_vocab.to(logits.device).expand(b, t, -1), logits)
+            logits = full.scatter(-1, self.head_vocab.expand(b, t, -1), logits)
         return (logits, *presents)
