@@ -174,7 +174,8 @@ class DraftEntry:
     """How the bundle drafts: `kind` and that kind's settings."""
 
     kind: str  # one of DRAFT_KINDS
-    layers: int | None = None  # self: the target's first N layers
+    layers: int | None = None  # self: the target's first N layers (None: all of them)
+    dtype: str | None = None  # self: the draft's weights when not the target's (a quantized self-draft)
     source: str | None = None  # model: the draft as given at export
     distilled: dict | None = None  # model: how `specdeploy distill` made it
     max_ngram: int | None = None  # ngram: the longest and shortest n-grams looked up
@@ -190,6 +191,7 @@ class DraftEntry:
         entry = cls(
             kind=kind,
             layers=_take(d, "layers", int, where, optional=True),
+            dtype=_take(d, "dtype", str, where, optional=True),
             source=_take(d, "source", str, where, optional=True),
             distilled=_take(d, "distilled", dict, where, optional=True),
             max_ngram=_take(d, "max_ngram", int, where, optional=True),

@@ -6,13 +6,14 @@ records (`entry`). `parse_draft` asks each registered recipe in turn; adding a d
 is adding a class here and a line to `RECIPES` (and a drafter on the runtime side).
 
     >>> parse_draft("self:layers=4")
-    SelfDraft(layers=4)
+    SelfDraft(layers=4, dtype=None)
+    >>> parse_draft("self:dtype=int4")
+    SelfDraft(layers=None, dtype='int4')
     >>> parse_draft("ngram")
     NgramDraft()
 """
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Protocol
@@ -80,30 +81,48 @@ class NgramDraft(NoDraft):
 
 @dataclass
 class SelfDraft:
-    """The target's first N layers with its own norm and head."""
+    """The target drafting for itself: its first N layers with its own norm and head
+    (`self:layers=N`), at a lower precision (`self:dtype=int4`: the quantized self-draft,
+    from a GGUF its own blocks exactly), or both (`self:layers=N,dtype=int8`)."""
 
     kind = "self"
-    layers: int
+    layers: int | None = None  # None: all of them
+    dtype: str | None = None  # None: --draft-dtype (default: the target's)
 
     @classmethod
     def parse(cls, text: str) -> "SelfDraft | None":
         if not text.startswith("self:"):
             return None
-        m = re.fullmatch(r"self:layers=(\d+)", text)
-        if not m or int(m.group(1)) < 1:
-            raise ExportError(f"--draft {text!r}: expected self:layers=N with N >= 1")
-        return cls(int(m.group(1)))
+        from .onnx_export import DTYPES
+
+        usage = f"--draft {text!r}: expected self:layers=N (N >= 1), self:dtype=D (D one of {', '.join(DTYPES)}) or both, comma separated"
+        fields = {}
+        for part in text[len("self:"):].split(","):
+            key, _, value = part.partition("=")
+            if key in fields or key not in ("layers", "dtype") or not value:
+                raise ExportError(usage)
+            fields[key] = value
+        layers = fields.get("layers")
+        if layers is not None and not (layers.isdigit() and int(layers) >= 1):
+            raise ExportError(usage)
+        if fields.get("dtype", "fp32") not in DTYPES:
+            raise ExportError(usage)
+        return cls(int(layers) if layers is not None else None, fields.get("dtype"))
 
     def prepare(self, target: Source, log: Callable[[str], None]) -> None:
         n = target.config.num_hidden_layers
-        if self.layers >= n:
+        if self.layers is not None and self.layers >= n:
             raise ExportError(f"--draft self:layers={self.layers}: the target has {n} layers; choose 1..{n - 1}")
 
+    def draft_dtype(self, given: str) -> str:
+        """The draft's dtype: the spec's, else --draft-dtype's (which defaults to the target's)."""
+        return self.dtype or given
+
     def export(self, target: Source, dtype: str, export_model: ExportModel) -> ModelSpec:
-        return export_model(target, dtype, num_layers=self.layers, full_model=False)
+        return export_model(target, self.draft_dtype(dtype), num_layers=self.layers, full_model=self.layers is None)
 
     def entry(self) -> DraftEntry:
-        return DraftEntry("self", layers=self.layers)
+        return DraftEntry("self", layers=self.layers, dtype=self.dtype)
 
 
 @dataclass

@@ -39,6 +39,8 @@ BUNDLES = {
     "llama-same": ("llama", "llama"),  # the target as its own draft: every draft token accepted
     "qwen2-self": ("qwen2", "self:layers=1"),
     "mistral-model": ("mistral", "mistral_draft"),
+    "llama-self-int8": ("llama", "self:dtype=int8"),  # the target itself, quantized, as its draft
+    "llama-self-int4": ("llama", "self:layers=1,dtype=int4"),
 }
 
 

@@ -108,7 +108,7 @@ def small_vocab(tmp_path_factory):
     tiny.make_model(root / "t", "llama", seed=11, layers=2, vocab_size=VOCAB, initializer_range=0.5)
     tiny.make_model(root / "d", "llama", seed=12, layers=1, vocab_size=VOCAB, initializer_range=0.5)
     out = {}
-    for name, draft in (("model", str(root / "d")), ("ngram", "ngram")):
+    for name, draft in (("model", str(root / "d")), ("ngram", "ngram"), ("self-int8", "self:dtype=int8")):
         build_bundle(root / "t", draft, root / name, max_seq=32, max_draft=4, prefill_chunk=8)
         session = Session(root / name)
         session.eos_token_ids = []  # every sample has two tokens: the pairs are the whole outcome
@@ -172,7 +172,7 @@ def chi_square_pvalue(exact, counts, n):
     return float(scipy_stats.chi2.sf(chi2, len(expected) - 1)), len(expected)
 
 
-@pytest.mark.parametrize("kind", ["model", "ngram"])
+@pytest.mark.parametrize("kind", ["model", "ngram", "self-int8"])
 @pytest.mark.parametrize("setting", range(len(SETTINGS)))
 def test_speculative_sampling_has_the_target_distribution(small_vocab, kind, setting):
     session, prompt = small_vocab[kind]

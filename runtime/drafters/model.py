@@ -111,13 +111,15 @@ class ModelDrafter:
 
 
 class SelfDrafter(ModelDrafter):
-    """The target's first N layers with its own norm and head, exported as a graph of its own."""
+    """The target itself, or its first N layers with its own norm and head, at its own dtype
+    or a lower one, exported as a graph of its own."""
 
     kind = "self"
 
     @staticmethod
     def describe(entry: DraftEntry) -> str:
-        return f"the target's first {entry.layers} layers + its norm and head"
+        what = "the target itself" if entry.layers is None else f"the target's first {entry.layers} layers + its norm and head"
+        return what + (f", at {entry.dtype}" if entry.dtype else "")
 
 
 def _softmax_max(logits: np.ndarray) -> float:
