@@ -39,8 +39,12 @@ class Piece:
 class Generation:
     """A running generation: iterate it for pieces; `stats` fills as it goes.
 
-    `cancel()` (from any thread) ends it after the current round, with finish reason
-    "cancelled"; `close()` ends it at once. Either frees the session for the next request.
+    `cancel()` (from any thread) ends it before its next round. `close()` (from any thread)
+    ends it at once, or, while another thread is inside a round, as soon as that round
+    returns, so a server can let go of a generation whose client left without waiting for
+    the thread that runs it. Either, before the rounds run out, leaves finish reason
+    "cancelled", and frees the session for the next request. One thread at a time iterates
+    it (a round runs in `next()`).
     """
 
     def __init__(self, pieces: Iterator[Piece], stats: Stats, on_end=None):
@@ -49,16 +53,39 @@ class Generation:
         self.cancelled = threading.Event()
         self._on_end = on_end
         self._ended = False
+        self._state = threading.Lock()  # guards _running, _close_requested, _ended
+        self._running = False  # a thread is inside a round
+        self._close_requested = False
 
     def __iter__(self) -> Iterator[Piece]:
+        return self
+
+    def __next__(self) -> Piece:
+        with self._state:
+            if self._ended:
+                raise StopIteration
+            if self._running:
+                raise RuntimeError("this generation is already running a round in another thread")
+            if self.cancelled.is_set() or self._close_requested:
+                self._end(cancelled=True)
+                raise StopIteration
+            self._running = True
         try:
-            for piece in self._pieces:
-                yield piece
-                if self.cancelled.is_set():
-                    self.stats.finish_reason = "cancelled"
-                    break
-        finally:
-            self.close()
+            piece = next(self._pieces)
+        except BaseException:  # the end (StopIteration), or a failure: free the session either way
+            with self._state:
+                self._running = False
+                self._end(cancelled=False)
+            raise
+        with self._state:
+            self._running = False
+            if self._close_requested:  # closed from another thread during this round
+                self._end(cancelled=True)
+        return piece
+
+    @property
+    def ended(self) -> bool:
+        return self._ended
 
     def cancel(self) -> None:
         self.cancelled.set()
@@ -70,9 +97,22 @@ class Generation:
             pass
 
     def close(self) -> None:
-        if not self._ended:
-            self._ended = True
+        with self._state:
+            if self._running:
+                self._close_requested = True  # the thread inside the round ends it on return
+            else:
+                self._end(cancelled=True)
+
+    def _end(self, cancelled: bool) -> None:
+        """With `_state` held: close the rounds and give the session back, once."""
+        if self._ended:
+            return
+        self._ended = True
+        if cancelled:  # ended before its rounds ran out
+            self.stats.finish_reason = "cancelled"
+        try:
             self._pieces.close()
+        finally:
             if self._on_end is not None:
                 self._on_end()
 
@@ -119,10 +159,14 @@ class Session:
         _check_text(prompt, "the prompt")
         return self.tokenizer.encode_chat(prompt) if chat else self.tokenizer.encode(prompt)
 
-    def encode_messages(self, messages: list[dict[str, str]]) -> list[int]:
-        """A whole chat (system / user / assistant turns) through the chat template."""
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-        return self.tokenizer.encode(text, add_special_tokens=False)
+    def encode_messages(self, messages: list[dict[str, str]], allow_special_in_content: bool = False) -> list[int]:
+        """A whole chat (system / user / assistant turns) through the chat template. Special-token
+        text inside a message stays text (a user cannot forge a turn) unless allowed."""
+        for i, m in enumerate(messages):
+            _check_text(m["role"], f"messages[{i}].role")
+            _check_text(m["content"], f"messages[{i}].content")
+        return self.tokenizer.encode_messages(messages, add_generation_prompt=True,
+                                              allow_special_in_content=allow_special_in_content)
 
     def check_request(self, prompt_ids: np.ndarray, max_new_tokens: int, draft_len: int) -> None:
         max_seq = self.bundle.max_seq
