@@ -3,20 +3,34 @@
 The sessions share the engines' weights (ONNX Runtime sessions run concurrently from
 several threads) and each owns its KV buffers. A request takes a free session, or waits
 if fewer than `max_queue` requests are already waiting; past that it is refused at once
-(`Overloaded`), so a burst never becomes an unbounded backlog.
+(`Overloaded`), so a burst never becomes an unbounded backlog. A waiting request gives up
+its place as soon as its `cancel` event is set (its client left), after `wait_seconds`
+(`QueueTimeout`), or when the pool shuts down.
 """
 from __future__ import annotations
 
 import queue
 import threading
+import time
+import weakref
 from pathlib import Path
 
 from specdeploy.core.errors import SpecdeployError
 from .session import Generation, Result, Session
 
+POLL_SECONDS = 0.05  # how often a waiting request looks at its cancel event
+
 
 class Overloaded(SpecdeployError):
     """Every session is busy and the wait queue is full."""
+
+
+class QueueTimeout(Overloaded):
+    """No session came free within the pool's `wait_seconds`."""
+
+
+class Cancelled(SpecdeployError):
+    """The request was cancelled (its client left, or the pool shut down) while it waited."""
 
 
 class SessionPool:
@@ -36,29 +50,56 @@ class SessionPool:
         self._lock = threading.Lock()
         self.waiting = 0
         self.in_flight = 0
+        self._live: weakref.WeakSet[Generation] = weakref.WeakSet()  # running generations
+        self.closing = threading.Event()
 
     @property
     def session(self) -> Session:
         """A session for read-only work (encoding, limits); never generate with it directly."""
         return self.sessions[0]
 
-    def acquire(self) -> Session:
+    def _refuse_if_full(self) -> None:
+        if self._free.empty() and self.waiting >= self.max_queue:
+            raise Overloaded(
+                f"server busy: {len(self.sessions)} session(s) generating and {self.waiting} request(s) "
+                f"waiting (queue limit {self.max_queue}); retry later"
+            )
+
+    def check_capacity(self) -> None:
+        """Raise `Overloaded` now if a request would be refused: the cheap check a server
+        makes before any work on a request (it is made again when the request acquires)."""
         with self._lock:
-            if self._free.empty() and self.waiting >= self.max_queue:
-                raise Overloaded(
-                    f"server busy: {len(self.sessions)} session(s) generating and {self.waiting} request(s) "
-                    f"waiting (queue limit {self.max_queue}); retry later"
-                )
+            self._refuse_if_full()
+
+    def acquire(self, cancel: threading.Event | None = None) -> Session:
+        """A free session, waiting for one if the queue has room. Raises `Overloaded` (queue
+        full), `QueueTimeout` (past `wait_seconds`) or `Cancelled` (`cancel` set, or the pool
+        shutting down) and then holds no place in the queue."""
+        with self._lock:
+            if self.closing.is_set():
+                raise Cancelled("the server is shutting down")
+            self._refuse_if_full()
             self.waiting += 1
+        deadline = None if self.wait_seconds is None else time.monotonic() + self.wait_seconds
         try:
-            session = self._free.get(timeout=self.wait_seconds)
-        except queue.Empty:
-            raise Overloaded(f"server busy: no session free within {self.wait_seconds}s; retry later") from None
+            while True:
+                if cancel is not None and cancel.is_set():
+                    raise Cancelled("the request was cancelled while it waited for a session")
+                if self.closing.is_set():
+                    raise Cancelled("the server is shutting down")
+                wait = POLL_SECONDS if deadline is None else min(POLL_SECONDS, deadline - time.monotonic())
+                if wait <= 0:
+                    raise QueueTimeout(f"server busy: no session came free within {self.wait_seconds}s; retry later")
+                try:
+                    session = self._free.get(timeout=wait)
+                    break
+                except queue.Empty:
+                    continue
+            with self._lock:
+                self.in_flight += 1
         finally:
             with self._lock:
                 self.waiting -= 1
-        with self._lock:
-            self.in_flight += 1
         return session
 
     def release(self, session: Session) -> None:
@@ -66,18 +107,47 @@ class SessionPool:
             self.in_flight -= 1
         self._free.put(session)
 
-    def stream(self, prompt: str | None = None, **kwargs) -> Generation:
+    def stream(self, prompt: str | None = None, cancel: threading.Event | None = None, **kwargs) -> Generation:
         """Like Session.stream; the session returns to the pool when the generation ends,
-        is cancelled or closed."""
-        session = self.acquire()
+        is cancelled or closed. `cancel`: an event that, set while the request waits for a
+        session, makes it give up its place (`Cancelled`)."""
+        session = self.acquire(cancel)
         try:
             gen = session.stream(prompt, **kwargs)
         except BaseException:
             self.release(session)
             raise
-        end = gen._on_end
-        gen._on_end = lambda: (end(), self.release(session))
+        end, ref = gen._on_end, weakref.ref(gen)  # no cycle: a dropped generation is freed at once
+
+        def on_end():
+            try:
+                end()
+            finally:
+                with self._lock:
+                    g = ref()
+                    if g is not None:
+                        self._live.discard(g)
+                self.release(session)
+
+        gen._on_end = on_end
+        with self._lock:
+            self._live.add(gen)
         return gen
 
     def generate(self, prompt: str | None = None, **kwargs) -> Result:
         return Session.collect(self.stream(prompt, **kwargs))
+
+    def shutdown(self) -> None:
+        """Refuse new requests, make waiting ones give up (`Cancelled`), and end every running
+        generation (each after its current round): what a server does when its grace
+        period for draining is over."""
+        self.closing.set()
+        with self._lock:
+            live = list(self._live)
+        for gen in live:
+            gen.cancel()
+            gen.close()
+
+    def reopen(self) -> None:
+        """Serve again after `shutdown` (a server starting over the same pool)."""
+        self.closing.clear()

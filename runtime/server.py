@@ -1,35 +1,60 @@
 """`specdeploy serve`: an OpenAI-compatible HTTP server over a SessionPool.
 
 POST /v1/completions and /v1/chat/completions (with `stream: true` as server-sent
-events), GET /health, GET /metrics (Prometheus text). Built on Starlette and uvicorn;
-generation runs in worker threads, never on the event loop. Requests past the pool's
-bounded queue get 503 at once.
+events), GET /health, GET /metrics (Prometheus text). Built on Starlette and uvicorn.
+
+The event loop never does the heavy work: the chat template, tokenizing and every round
+of generation run in worker threads, one round per call, so the loop sees a client
+disconnect between rounds at the latest; it then cancels the generation, which gives its
+session back as soon as the round in progress returns. A request waiting for a session
+gives up its place the same way. Checked before any expensive work, in this order: the
+body size (413), the request's fields and the prompt's length in characters (400), the
+queue bound (503); only then the template and the tokenizer. Every request is counted in
+/metrics exactly once, by its outcome. On SIGTERM uvicorn stops accepting connections and
+lets requests in flight finish for `graceful_seconds`; then it cancels them, and the pool
+ends their generations.
 """
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
+import logging
+import threading
 import time
 import uuid
 from typing import Any
 
+import anyio
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
-from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from specdeploy.core.errors import InputError, SpecdeployError
-from .pool import Overloaded, SessionPool
+from .pool import Cancelled, Overloaded, QueueTimeout, SessionPool
+
+log = logging.getLogger("specdeploy.server")
 
 FINISH = {"eos": "stop", "stop": "stop", "length": "length", "cancelled": "stop", "": None}
+DEFAULT_MAX_BODY_BYTES = 4 << 20  # 4 MiB: a max_seq of 8k tokens as JSON-escaped non-ASCII text still fits
+CHARS_PER_TOKEN = 64  # at least; the bound on a prompt's characters is max_seq times this (see below)
+DEFAULT_GRACEFUL_SECONDS = 10.0
+DEFAULT_MAX_TOKENS = {False: 16, True: 256}  # completions, chat: when a request gives no max_tokens (capped to fit)
+SEED_MAX = 2**64 - 1
 
 
 class BadRequest(InputError):
     def __init__(self, message: str, param: str | None = None):
         super().__init__(message)
         self.param = param
+
+
+class TooLarge(InputError):
+    pass
 
 
 # -- request validation -------------------------------------------------------------------
@@ -44,60 +69,163 @@ def _field(body: dict, name: str, kinds: tuple, default: Any, what: str) -> Any:
     return value
 
 
-def parse_request(body: Any, chat: bool, max_seq: int) -> dict:
-    """A validated request: prompt (text, ids or messages) and generation settings."""
+def _number(body: dict, name: str, default: float, low: float, high: float, low_open: bool = False) -> float:
+    value = _field(body, name, (int, float), default, "a number")
+    try:
+        number = float(value)
+    except OverflowError:  # an integer past a float's range
+        number = float("inf") if value > 0 else float("-inf")
+    inside = (low < number if low_open else low <= number) and number <= high  # NaN is never inside
+    if not inside:
+        shown = str(number) if abs(number) < 1e300 else f"{str(value)[:20]}..."
+        raise BadRequest(f"'{name}' {shown} is outside {'(' if low_open else '['}{low:g}, {high:g}]", name)
+    return number
+
+
+def _text(value: str, name: str) -> str:
+    """Text must be encodable: JSON's \\ud800 escapes (and UTF-8-encoded surrogates, which
+    Python's json accepts) give lone surrogates, which no tokenizer takes."""
+    if not value.isascii():
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise BadRequest(f"'{name}' is not valid Unicode text (a lone surrogate at character {e.start})", name) from None
+    return value
+
+
+def prompt_char_limit(pool: SessionPool) -> int:
+    """The most characters a prompt that fits in the bundle's max sequence can have: max_seq
+    tokens of at most `CHARS_PER_TOKEN` characters, or of the vocabulary's longest token if
+    longer (a byte-level or SentencePiece token's vocabulary string is at least as long as
+    the text it stands for). A tokenizer that drops characters (a whitespace pre-tokenizer)
+    could fit more; such a prompt gets the same 400."""
+    longest = 0
+    with contextlib.suppress(Exception):
+        longest = max(map(len, pool.tokenizer._tok.get_vocab(with_added_tokens=True)))
+    return pool.bundle.max_seq * max(CHARS_PER_TOKEN, longest)
+
+
+def parse_request(
+    body: Any, chat: bool, max_seq: int, *, max_chars: int | None = None, vocab: int | None = None,
+    max_draft: int | None = None,
+) -> dict:
+    """A validated request: prompt (text, ids or messages) and generation settings. Cheap:
+    nothing here tokenizes, and each check names the field at fault."""
     if not isinstance(body, dict):
         raise BadRequest("the request body must be a JSON object")
+    max_chars = max_chars if max_chars is not None else max_seq * CHARS_PER_TOKEN
     req: dict[str, Any] = {}
     if chat:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise BadRequest("'messages' must be a non-empty array of {role, content} objects", "messages")
+        if len(messages) >= max_seq:  # every turn costs the template at least one token
+            raise BadRequest(f"'messages' holds {len(messages)} turns; at most {max_seq - 1} fit in the bundle's max "
+                             f"sequence of {max_seq} tokens", "messages")
+        chars = 0
         for i, m in enumerate(messages):
             if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
                 raise BadRequest(f"'messages[{i}]' must be an object with string 'role' and 'content'", "messages")
+            _text(m["role"], "messages")
+            _text(m["content"], "messages")
+            chars += len(m["role"]) + len(m["content"])
+        if chars > max_chars:
+            raise BadRequest(
+                f"'messages' hold {chars} characters; at most {max_chars} can fit in the bundle's max sequence of "
+                f"{max_seq} tokens", "messages")
         req["messages"] = [{"role": m["role"], "content": m["content"]} for m in messages]
     else:
         prompt = body.get("prompt")
         if isinstance(prompt, str):
-            req["prompt"] = prompt
+            if len(prompt) > max_chars:
+                raise BadRequest(
+                    f"'prompt' has {len(prompt)} characters; at most {max_chars} can fit in the bundle's max sequence "
+                    f"of {max_seq} tokens", "prompt")
+            req["prompt"] = _text(prompt, "prompt")
         elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            if len(prompt) >= max_seq:
+                raise BadRequest(
+                    f"'prompt' of {len(prompt)} tokens is longer than the bundle's max sequence of {max_seq} "
+                    f"(at most {max_seq - 1} prompt tokens)", "prompt")
+            top = vocab if vocab is not None else 2**63
+            for i, t in enumerate(prompt):
+                if not 0 <= t < top:
+                    shown = str(t) if len(str(t)) <= 24 else f"{str(t)[:20]}..."
+                    raise BadRequest(
+                        f"'prompt': token id {shown} at prompt position {i} is outside the vocabulary [0, {top})", "prompt")
             req["prompt_ids"] = prompt
         else:
             raise BadRequest("'prompt' must be a string or a non-empty array of token ids", "prompt")
-    req["max_new_tokens"] = _field(body, "max_tokens", (int,), 16 if not chat else 256, "an integer")
-    if not 1 <= req["max_new_tokens"] <= max_seq:
-        raise BadRequest(f"'max_tokens' {req['max_new_tokens']} is outside [1, {max_seq}]", "max_tokens")
-    req["temperature"] = float(_field(body, "temperature", (int, float), 1.0, "a number"))
-    if not 0.0 <= req["temperature"] <= 2.0:
-        raise BadRequest(f"'temperature' {req['temperature']} is outside [0, 2]", "temperature")
-    req["top_p"] = float(_field(body, "top_p", (int, float), 1.0, "a number"))
-    if not 0.0 < req["top_p"] <= 1.0:
-        raise BadRequest(f"'top_p' {req['top_p']} is outside (0, 1]", "top_p")
+    req["max_new_tokens"] = _field(body, "max_tokens", (int,), None, "an integer")
+    if req["max_new_tokens"] is None:  # absent: up to the default, or what fits after the prompt
+        req["max_new_tokens"] = None
+    elif not 1 <= req["max_new_tokens"] <= max_seq:
+        shown = str(req["max_new_tokens"])[:24]
+        raise BadRequest(f"'max_tokens' {shown} is outside [1, {max_seq}]", "max_tokens")
+    req["temperature"] = _number(body, "temperature", 1.0, 0.0, 2.0)
+    req["top_p"] = _number(body, "top_p", 1.0, 0.0, 1.0, low_open=True)
     req["top_k"] = _field(body, "top_k", (int,), 0, "an integer")
     if req["top_k"] < 0:
-        raise BadRequest(f"'top_k' {req['top_k']} must be >= 0", "top_k")
+        raise BadRequest(f"'top_k' {str(req['top_k'])[:24]} must be >= 0", "top_k")
     req["seed"] = _field(body, "seed", (int,), None, "an integer")
+    if req["seed"] is not None and not 0 <= req["seed"] <= SEED_MAX:
+        shown = str(req["seed"]) if len(str(req["seed"])) <= 24 else f"{str(req['seed'])[:20]}..."
+        raise BadRequest(f"'seed' {shown} is outside [0, 2**64 - 1]", "seed")
     stop = _field(body, "stop", (str, list), [], "a string or an array of strings")
     stop = [stop] if isinstance(stop, str) else stop
     if len(stop) > 4 or not all(isinstance(s, str) and s for s in stop):
         raise BadRequest("'stop' must be at most 4 non-empty strings", "stop")
-    req["stop"] = stop
+    if sum(map(len, stop)) > max_chars:
+        raise BadRequest(f"'stop' strings are longer than {max_chars} characters in all", "stop")
+    req["stop"] = [_text(s, "stop") for s in stop]
     req["draft_len"] = _field(body, "draft_len", (int, str), "auto", "an integer or 'auto'")
     if isinstance(req["draft_len"], str) and req["draft_len"] != "auto":
         raise BadRequest("'draft_len' must be an integer or 'auto'", "draft_len")
+    if isinstance(req["draft_len"], int) and max_draft is not None and not 0 <= req["draft_len"] <= max_draft:
+        shown = str(req["draft_len"])[:24]
+        raise BadRequest(f"'draft_len' {shown} is outside [0, {max_draft}] (the bundle's max draft)", "draft_len")
     req["stream"] = _field(body, "stream", (bool,), False, "a boolean")
     if _field(body, "n", (int,), 1, "an integer") != 1:
         raise BadRequest("only 'n' = 1 is supported", "n")
     return req
 
 
-# -- the app -------------------------------------------------------------------------------
+def _parse_json(raw: bytes) -> Any:
+    try:
+        return json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise BadRequest(f"the request body is not valid JSON ({str(e).splitlines()[0][:120]})") from None
+    except RecursionError:
+        raise BadRequest("the request body is not valid JSON (nested too deeply)") from None
+    except ValueError as e:  # e.g. an integer past Python's digit limit
+        raise BadRequest(f"the request body is not valid JSON ({str(e).splitlines()[0][:120]})") from None
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    """The body, refused (`TooLarge`) as soon as it is known to pass `limit` bytes: from its
+    Content-Length before reading, or as it arrives when it is chunked."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise TooLarge(f"the request body of {declared} bytes is larger than the limit of {limit} bytes")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise TooLarge(f"the request body is larger than the limit of {limit} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+# -- metrics -------------------------------------------------------------------------------
 
 class Metrics:
     def __init__(self):
         self.registry = r = CollectorRegistry()
-        self.requests = Counter("specdeploy_requests", "Requests by endpoint and HTTP status", ["endpoint", "status"], registry=r)
+        self.requests = Counter(
+            "specdeploy_requests",
+            "Requests by endpoint and outcome: the HTTP status sent, 'cancelled' (the client left, or the server "
+            "shut down, before the answer was complete) or 'timeout' (no session came free in time; sent as 503)",
+            ["endpoint", "status"], registry=r)
         self.tokens = Counter("specdeploy_generated_tokens", "Tokens generated", registry=r)
         self.drafted = Counter("specdeploy_drafted_tokens", "Draft tokens proposed", registry=r)
         self.accepted = Counter("specdeploy_accepted_tokens", "Draft tokens accepted", registry=r)
@@ -111,15 +239,17 @@ class Metrics:
         self.queue = Gauge("specdeploy_queue_waiting", "Requests waiting for a session", registry=r)
         self.in_flight = Gauge("specdeploy_in_flight", "Requests generating", registry=r)
         self._drafted = self._accepted = 0
+        self._lock = threading.Lock()
 
     def record(self, stats, seconds: float) -> None:
         self.tokens.inc(stats.new_tokens)
         self.drafted.inc(stats.drafted)
         self.accepted.inc(stats.accepted)
-        self._drafted += stats.drafted
-        self._accepted += stats.accepted
-        if self._drafted:
-            self.acceptance.set(self._accepted / self._drafted)
+        with self._lock:
+            self._drafted += stats.drafted
+            self._accepted += stats.accepted
+            if self._drafted:
+                self.acceptance.set(self._accepted / self._drafted)
         for k in stats.draft_len_history:
             self.draft_len.observe(k)
         self.latency.observe(seconds)
@@ -127,73 +257,82 @@ class Metrics:
             self.ttft.observe(stats.first_token_seconds)
 
 
-def create_app(pool: SessionPool, model_name: str = "specdeploy") -> Starlette:
+class _Outcome:
+    """Counts one request once, by how it ended."""
+
+    def __init__(self, metrics: Metrics, endpoint: str):
+        self.metrics, self.endpoint, self.status = metrics, endpoint, None
+
+    def __call__(self, status: str) -> None:
+        if self.status is None:
+            self.status = status
+            self.metrics.requests.labels(self.endpoint, status).inc()
+
+
+def _error(status: int, message: str, kind: str, param: str | None = None, headers: dict | None = None) -> JSONResponse:
+    message = (message.splitlines() or [""])[0]  # one line, whatever raised it
+    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": None}}, status,
+                        headers=headers)
+
+
+def _next(gen):
+    return next(gen, None)
+
+
+# -- the app -------------------------------------------------------------------------------
+
+def create_app(
+    pool: SessionPool, model_name: str = "specdeploy", *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    max_prompt_chars: int | None = None,
+) -> Starlette:
     metrics = Metrics()
     max_seq = pool.bundle.max_seq
+    max_chars = max_prompt_chars if max_prompt_chars is not None else prompt_char_limit(pool)
+    vocab = getattr(pool.session.target, "vocab_size", None)
+    limits = dict(max_chars=max_chars, vocab=vocab, max_draft=pool.bundle.max_draft)
+    limiter: list[anyio.CapacityLimiter] = []  # made on the event loop, at the first request
 
-    def error(status: int, message: str, kind: str, param: str | None = None) -> JSONResponse:
-        return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": None}}, status)
+    def acquire_limiter() -> anyio.CapacityLimiter:
+        # Threads that wait for a session are kept out of the default pool (40 threads) that
+        # runs rounds and tokenizing, so a full queue cannot starve them.
+        if not limiter:
+            limiter.append(anyio.CapacityLimiter(pool.max_queue + len(pool.sessions) + 64))
+        return limiter[0]
 
     async def completions(request: Request, chat: bool) -> Response:
         endpoint = "chat" if chat else "completions"
+        outcome = _Outcome(metrics, endpoint)
         started = time.perf_counter()
         try:
-            try:
-                body = await request.json()
-            except (json.JSONDecodeError, UnicodeDecodeError) as e:
-                raise BadRequest(f"the request body is not valid JSON ({e})") from None
-            req = parse_request(body, chat, max_seq)
-            if chat:
-                req["prompt_ids"] = pool.session.encode_messages(req.pop("messages"))
-            stream = req.pop("stream")
-            gen = await run_in_threadpool(_start, pool, req)
+            body = _parse_json(await _read_body(request, max_body_bytes))
+            req = parse_request(body, chat, max_seq, **limits)
+            pool.check_capacity()  # before the template and the tokenizer
+            await run_in_threadpool(_encode, pool, req, chat)
+        except TooLarge as e:
+            outcome("413")
+            return _error(413, str(e), "invalid_request_error", None, {"connection": "close"})
         except Overloaded as e:
-            metrics.requests.labels(endpoint, "503").inc()
-            return error(503, str(e), "overloaded")
+            outcome("503")
+            return _error(503, str(e), "overloaded", headers={"retry-after": "1"})
         except BadRequest as e:
-            metrics.requests.labels(endpoint, "400").inc()
-            return error(400, str(e), "invalid_request_error", e.param)
+            outcome("400")
+            return _error(400, str(e), "invalid_request_error", e.param)
         except SpecdeployError as e:
-            metrics.requests.labels(endpoint, "400").inc()
-            return error(400, str(e), "invalid_request_error")
-        ident = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
-        created = int(time.time())
-        base = {"id": ident, "created": created, "model": model_name}
-        metrics.requests.labels(endpoint, "200").inc()
-
-        def done(stats):
-            metrics.record(stats, time.perf_counter() - started)
-
-        if stream:
-            return StreamingResponse(_sse(gen, base, chat, done), media_type="text/event-stream")
-        texts, ids = [], []
-        result_stats = gen.stats
-
-        def collect():
-            for piece in gen:
-                texts.append(piece.text)
-                ids.extend(piece.token_ids)
-
-        await run_in_threadpool(collect)
-        done(result_stats)
-        text = "".join(texts)
-        finish = FINISH[result_stats.finish_reason]
-        choice = (
-            {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish}
-            if chat
-            else {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
-        )
-        return JSONResponse({
-            **base,
-            "object": "chat.completion" if chat else "text_completion",
-            "choices": [choice],
-            "usage": _usage(result_stats),
-            "specdeploy": result_stats.as_dict(),
-        })
+            outcome("400")
+            return _error(400, str(e), "invalid_request_error", "messages" if chat else "prompt")
+        except ClientDisconnect:
+            outcome("cancelled")
+            return Response(status_code=499)  # nobody reads it
+        except Exception as e:
+            log.exception("unexpected error while reading a request")
+            outcome("500")
+            return _error(500, f"internal error ({type(e).__name__})", "server_error")
+        return _Run(pool, metrics, outcome, req, chat, model_name, started, acquire_limiter())
 
     async def health(request: Request) -> Response:
-        return JSONResponse({"status": "ok", "model": model_name, "sessions": len(pool.sessions),
-                             "in_flight": pool.in_flight, "waiting": pool.waiting, "max_queue": pool.max_queue})
+        return JSONResponse({"status": "stopping" if pool.closing.is_set() else "ok", "model": model_name,
+                             "sessions": len(pool.sessions), "in_flight": pool.in_flight, "waiting": pool.waiting,
+                             "max_queue": pool.max_queue})
 
     async def metrics_endpoint(request: Request) -> Response:
         metrics.queue.set(pool.waiting)
@@ -209,17 +348,224 @@ def create_app(pool: SessionPool, model_name: str = "specdeploy") -> Starlette:
     async def chat_route(request: Request) -> Response:
         return await completions(request, chat=True)
 
-    return Starlette(routes=[
-        Route("/v1/completions", completions_route, methods=["POST"]),
-        Route("/v1/chat/completions", chat_route, methods=["POST"]),
-        Route("/v1/models", models, methods=["GET"]),
-        Route("/health", health, methods=["GET"]),
-        Route("/metrics", metrics_endpoint, methods=["GET"]),
-    ])
+    async def unexpected(request: Request, exc: Exception) -> Response:
+        # the last net: anything that escaped the handlers is a JSON 500, counted
+        endpoint = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}.get(request.url.path, "other")
+        metrics.requests.labels(endpoint, "500").inc()
+        return _error(500, f"internal error ({type(exc).__name__})", "server_error")
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        pool.reopen()
+        yield
+        # uvicorn's grace period is over (or nothing was in flight): end what still runs
+        pool.shutdown()
+
+    return Starlette(
+        routes=[
+            Route("/v1/completions", completions_route, methods=["POST"]),
+            Route("/v1/chat/completions", chat_route, methods=["POST"]),
+            Route("/v1/models", models, methods=["GET"]),
+            Route("/health", health, methods=["GET"]),
+            Route("/metrics", metrics_endpoint, methods=["GET"]),
+        ],
+        exception_handlers={Exception: unexpected},
+        lifespan=lifespan,
+    )
 
 
-def _start(pool: SessionPool, req: dict):
-    return pool.stream(req.pop("prompt", None), **req)
+def _encode(pool: SessionPool, req: dict, chat: bool) -> None:
+    """In a worker thread: the chat template and the tokenizer, then the length checks that
+    need the token count, each naming its field."""
+    if chat:
+        req["prompt_ids"] = pool.session.encode_messages(req.pop("messages"))
+        field = "messages"
+    elif "prompt" in req:
+        req["prompt_ids"] = pool.session.encode(req.pop("prompt"))
+        field = "prompt"
+    else:
+        field = "prompt"
+    n, max_seq = len(req["prompt_ids"]), pool.bundle.max_seq
+    if req["max_new_tokens"] is None:
+        req["max_new_tokens"] = max(1, min(DEFAULT_MAX_TOKENS[chat], max_seq - n))
+    new = req["max_new_tokens"]
+    if n == 0:
+        raise BadRequest(f"'{field}' is empty: it gives no tokens", field)
+    if n >= max_seq:
+        raise BadRequest(f"'{field}' of {n} tokens is longer than the bundle's max sequence of {max_seq} "
+                         f"(at most {max_seq - 1} prompt tokens)", field)
+    if n + new > max_seq:
+        raise BadRequest(f"prompt of {n} tokens + {new} new tokens exceeds the bundle's max sequence of {max_seq} "
+                         f"(at most {max_seq - n} new tokens fit)", "max_tokens")
+
+
+class _Run:
+    """The ASGI response that runs a validated request: waits for a session, generates one
+    round per worker-thread call and sends the answer, while a second task listens for the
+    client's disconnect. Nothing is sent before the first round has run, so a failure up to
+    there is a JSON error with its own status, never a 200 cut short."""
+
+    def __init__(self, pool, metrics, outcome, req, chat, model_name, started, limiter):
+        self.pool, self.metrics, self.outcome, self.req, self.chat = pool, metrics, outcome, req, chat
+        self.started, self.limiter = started, limiter
+        self.stream = req.pop("stream")
+        self.base = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}", "created": int(time.time()),
+                     "model": model_name}
+        self.cancel = threading.Event()  # set when the client leaves
+        self.gen = None
+
+    def _client_left(self) -> None:
+        self.cancel.set()
+        gen = self.gen
+        if gen is not None:
+            gen.cancel()
+            gen.close()  # at once, or when the round in progress returns: the session goes back
+
+    async def __call__(self, scope, receive, send) -> None:
+        async def watch():
+            while True:
+                message = await receive()
+                if message["type"] == "http.disconnect":
+                    self._client_left()
+                    return
+
+        async def safe_send(message) -> None:
+            if self.cancel.is_set():
+                return
+            try:
+                await send(message)
+            except OSError:  # ASGI 2.4 servers say so when the client has gone
+                self._client_left()
+
+        try:
+            async with anyio.create_task_group() as tasks:
+                tasks.start_soon(watch)
+                try:
+                    await self._run(safe_send)
+                finally:
+                    tasks.cancel_scope.cancel()
+        finally:
+            self.outcome("cancelled")  # counted already, unless it ended without an answer
+
+    async def _json(self, send, status: int, payload: dict, headers: dict | None = None) -> None:
+        response = JSONResponse(payload, status, headers=headers)
+        await send({"type": "http.response.start", "status": status, "headers": response.raw_headers})
+        await send({"type": "http.response.body", "body": response.body, "more_body": False})
+
+    async def _fail(self, send, status: int, message: str, kind: str, label: str | None = None,
+                    param: str | None = None, headers: dict | None = None) -> None:
+        self.outcome(label or str(status))
+        message = (message.splitlines() or [""])[0]
+        await self._json(send, status, {"error": {"message": message, "type": kind, "param": param, "code": None}},
+                         headers)
+
+    async def _run(self, send) -> None:
+        req = dict(self.req)
+        try:
+            self.gen = gen = await anyio.to_thread.run_sync(
+                functools.partial(self.pool.stream, cancel=self.cancel, **req), limiter=self.limiter)
+        except Cancelled:
+            self.outcome("cancelled")
+            return
+        except QueueTimeout as e:
+            return await self._fail(send, 503, str(e), "timeout", "timeout", headers={"retry-after": "1"})
+        except Overloaded as e:
+            return await self._fail(send, 503, str(e), "overloaded", headers={"retry-after": "1"})
+        except SpecdeployError as e:
+            return await self._fail(send, 400, str(e), "invalid_request_error")
+        except Exception as e:
+            log.exception("unexpected error while starting a generation")
+            return await self._fail(send, 500, f"internal error ({type(e).__name__})", "server_error")
+        try:
+            if self.cancel.is_set():  # left while the session was being taken
+                gen.cancel()
+                gen.close()
+            await self._generate(gen, send)
+        finally:
+            if not gen.ended:  # failed, or cancelled from outside (uvicorn past its grace period)
+                gen.cancel()
+                gen.close()
+
+    async def _generate(self, gen, send) -> None:
+        chat, kind = self.chat, "chat.completion.chunk" if self.chat else "text_completion"
+        texts, started_stream = [], False
+
+        def event(payload) -> dict:
+            return {"type": "http.response.body", "body": f"data: {json.dumps(payload)}\n\n".encode(), "more_body": True}
+
+        try:
+            while True:
+                if self.cancel.is_set():
+                    self.outcome("cancelled")
+                    return
+                piece = await run_in_threadpool(_next, gen)  # one round, in a worker thread
+                if self.cancel.is_set():
+                    self.outcome("cancelled")
+                    return
+                if self.stream and not started_stream:
+                    started_stream = True
+                    await send({"type": "http.response.start", "status": 200, "headers": [
+                        (b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
+                        (b"x-accel-buffering", b"no")]})
+                    if chat:
+                        await send(event({**self.base, "object": kind, "choices": [
+                            {"index": 0, "delta": {"role": "assistant"}, "finish_reason": None}]}))
+                if piece is None:
+                    break
+                if self.stream:
+                    if piece.text:
+                        choice = {"index": 0, "delta": {"content": piece.text}} if chat else {"index": 0, "text": piece.text}
+                        await send(event({**self.base, "object": kind, "choices": [{**choice, "finish_reason": None}]}))
+                else:
+                    texts.append(piece.text)
+        except Exception as e:
+            if isinstance(e, InputError):
+                status, kind_, message = 400, "invalid_request_error", str(e)
+            else:
+                if not isinstance(e, SpecdeployError):
+                    log.exception("unexpected error while generating")
+                status, kind_, message = 500, "server_error", (
+                    str(e) if isinstance(e, SpecdeployError) else f"internal error ({type(e).__name__})")
+            message = (message.splitlines() or [""])[0]
+            if not started_stream:
+                return await self._fail(send, status, message, kind_)
+            # mid-stream: an error event, as OpenAI's API sends, then the end of the stream
+            self.outcome(str(status))
+            await send(event({"error": {"message": message, "type": kind_, "param": None, "code": None}}))
+            await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
+            return
+        stats = gen.stats
+        if stats.finish_reason == "cancelled":  # ended by the server shutting down, not by the client
+            if not started_stream:
+                return await self._fail(send, 503, "the server shut down before the answer was complete",
+                                        "overloaded", "cancelled")
+            self.outcome("cancelled")
+            await send(event({"error": {"message": "the server shut down before the answer was complete",
+                                        "type": "overloaded", "param": None, "code": None}}))
+            await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
+            return
+        self.metrics.record(stats, time.perf_counter() - self.started)
+        finish = FINISH[stats.finish_reason]
+        self.outcome("200")
+        if self.stream:
+            last = {"index": 0, "delta": {}} if chat else {"index": 0, "text": ""}
+            await send(event({**self.base, "object": kind, "choices": [{**last, "finish_reason": finish}],
+                              "usage": _usage(stats)}))
+            await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
+            return
+        text = "".join(texts)
+        choice = (
+            {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish}
+            if chat
+            else {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
+        )
+        await self._json(send, 200, {
+            **self.base,
+            "object": "chat.completion" if chat else "text_completion",
+            "choices": [choice],
+            "usage": _usage(stats),
+            "specdeploy": stats.as_dict(),
+        })
 
 
 def _usage(stats) -> dict:
@@ -228,35 +574,16 @@ def _usage(stats) -> dict:
             "prompt_tokens_details": {"cached_tokens": stats.cached_tokens}}  # reused from the prompt cache
 
 
-def _sse(gen, base: dict, chat: bool, done):
-    """Server-sent events in the OpenAI chunk format; a sync iterator Starlette runs in a
-    worker thread. A client that disconnects closes it, which frees the session."""
-    kind = "chat.completion.chunk" if chat else "text_completion"
-
-    def event(payload) -> str:
-        return f"data: {json.dumps(payload)}\n\n"
-
-    try:
-        if chat:
-            yield event({**base, "object": kind, "choices": [{"index": 0, "delta": {"role": "assistant"}, "finish_reason": None}]})
-        for piece in gen:
-            if not piece.text:
-                continue
-            choice = {"index": 0, "delta": {"content": piece.text}} if chat else {"index": 0, "text": piece.text}
-            yield event({**base, "object": kind, "choices": [{**choice, "finish_reason": None}]})
-        finish = FINISH[gen.stats.finish_reason]
-        last = {"index": 0, "delta": {}} if chat else {"index": 0, "text": ""}
-        yield event({**base, "object": kind, "choices": [{**last, "finish_reason": finish}], "usage": _usage(gen.stats)})
-        yield "data: [DONE]\n\n"
-        done(gen.stats)
-    finally:
-        gen.close()
-
-
 def serve(bundle: str, host: str = "127.0.0.1", port: int = 8000, workers: int = 1, max_queue: int = 8,
-          threads: int | None = None, model_name: str | None = None) -> None:
+          threads: int | None = None, model_name: str | None = None, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+          graceful_seconds: float = DEFAULT_GRACEFUL_SECONDS, queue_timeout: float | None = None,
+          max_prompt_chars: int | None = None) -> None:
+    """Serve until SIGINT / SIGTERM; then uvicorn stops accepting, lets requests in flight
+    finish for `graceful_seconds` (its `timeout_graceful_shutdown`), cancels the rest, and
+    the app's shutdown ends their generations after their current round."""
     import uvicorn
 
-    pool = SessionPool(bundle, workers=workers, max_queue=max_queue, threads=threads)
-    app = create_app(pool, model_name or pool.bundle.path.name)
-    uvicorn.run(app, host=host, port=port, log_level="warning")
+    pool = SessionPool(bundle, workers=workers, max_queue=max_queue, threads=threads, wait_seconds=queue_timeout)
+    app = create_app(pool, model_name or pool.bundle.path.name, max_body_bytes=max_body_bytes,
+                     max_prompt_chars=max_prompt_chars)
+    uvicorn.run(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=graceful_seconds)

@@ -2,47 +2,16 @@
 metrics, bad input, the bounded queue, and a bounded concurrent load test."""
 import json
 import resource
-import socket
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-import uvicorn
 
 from specdeploy.runtime import Session
 from specdeploy.runtime.pool import Overloaded, SessionPool
-from specdeploy.runtime.server import create_app
+from loopback import Server, sse_text
 from tiny import PROMPTS
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    def __init__(self, pool):
-        self.pool = pool
-        self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        config = uvicorn.Config(create_app(pool, "tiny"), host="127.0.0.1", port=self.port, log_level="error")
-        self.server = uvicorn.Server(config)
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-
-    def __enter__(self):
-        self.thread.start()
-        deadline = time.time() + 20
-        while not self.server.started:
-            assert time.time() < deadline, "server did not start"
-            time.sleep(0.05)
-        return self
-
-    def __exit__(self, *exc):
-        self.server.should_exit = True
-        self.thread.join(timeout=10)
 
 
 @pytest.fixture(scope="module")
@@ -57,21 +26,6 @@ def reference(bundles):
     """Greedy text per prompt from a plain Session: what every server answer must equal."""
     session = Session(bundles("llama-model"))
     return {p: session.generate(p, max_new_tokens=24, speculate=False).text for p in PROMPTS}
-
-
-def _sse_text(response, chat=False):
-    text, done = [], False
-    for line in response.iter_lines():
-        if not line.startswith("data: "):
-            continue
-        data = line[6:]
-        if data == "[DONE]":
-            done = True
-            break
-        choice = json.loads(data)["choices"][0]
-        text.append(choice["delta"].get("content", "") if chat else choice["text"])
-    assert done
-    return "".join(text)
 
 
 def test_health_and_models(server):
@@ -105,11 +59,11 @@ def test_streaming_completion_and_chat(server, reference):
     with httpx.stream("POST", server.url + "/v1/completions", json=body) as r:
         assert r.status_code == 200
         assert r.headers["content-type"].startswith("text/event-stream")
-        assert _sse_text(r) == reference[PROMPTS[1]]
+        assert sse_text(r) == reference[PROMPTS[1]]
     chat = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 20, "temperature": 0}
     whole = httpx.post(server.url + "/v1/chat/completions", json=chat).json()["choices"][0]["message"]["content"]
     with httpx.stream("POST", server.url + "/v1/chat/completions", json={**chat, "stream": True}) as r:
-        assert _sse_text(r, chat=True) == whole
+        assert sse_text(r, chat=True) == whole
 
 
 def test_openai_client_works_unchanged(server, reference):
@@ -221,7 +175,7 @@ def test_load_concurrent_streaming_clients(server, reference):
         body = {"prompt": prompt, "max_tokens": 24, "temperature": 0, "stream": True}
         with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as r:
             assert r.status_code == 200
-            return prompt, _sse_text(r)
+            return prompt, sse_text(r)
 
     rss = []
     started = time.perf_counter()
