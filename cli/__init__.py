@@ -38,7 +38,7 @@ def main():
 @click.option("--out", required=True, type=click.Path(path_type=Path), help="Bundle folder to write.")
 @click.option("--max-seq", default=1024, show_default=True, help="KV buffer length: prompt + new tokens must fit.")
 @click.option("--max-draft", default=8, show_default=True, help="Largest draft length a verify pass may carry.")
-@click.option("--dtype", type=click.Choice(DTYPES), default="fp32", show_default=True,
+@click.option("--dtype", type=click.Choice(DTYPES), default="int4", show_default=True,
               help="Target weights: fp32; fp16 (GPUs; KV cache fp16 too); int8/int4 (weight-only blocks, CPUs).")
 @click.option("--draft-dtype", type=click.Choice(DTYPES), default=None, help="Draft model weights.  [default: --dtype]")
 @click.option("--prefill-chunk", default=64, show_default=True, help="Prompt tokens per prefill pass.")
@@ -307,20 +307,23 @@ def eval_cmd(bundle, prompts_file, max_new_tokens, draft_len, samples, alpha, ne
 @main.command()
 @click.option("--out", type=click.Path(path_type=Path), default=Path("engines/smollm2"), show_default=True)
 @click.option("--draft", default="ngram", show_default=True,
-              help="As for `export`, or distilled: a draft `specdeploy distill` trains on the first run (about "
-                   "17 minutes here) and keeps in OUT-draft/.")
+              help="As for `export` (self:dtype=int4 with --dtype fp32: the quantized self-draft), or distilled: a "
+                   "draft `specdeploy distill` trains on the first run (about 17 minutes here) and keeps in OUT-draft/.")
 @click.option("--prompt", default=DEFAULT_PROMPT, show_default=True)
 @click.option("--max-new-tokens", default=128, show_default=True)
 @click.option("--draft-len", default="auto", show_default=True)
 @click.option("--dtype", type=click.Choice(DTYPES), default="int4", show_default=True,
               help="Target weights; int4 imports the GGUF's own 4-bit blocks exactly.")
+@click.option("--repeats", default=3, show_default=True, help="Timed runs of plain and speculative decoding, alternating.")
 @click.option("--rebuild", is_flag=True, help="Export again even if the bundle exists.")
-def demo(out, draft, prompt, max_new_tokens, draft_len, dtype, rebuild):
+def demo(out, draft, prompt, max_new_tokens, draft_len, dtype, repeats, rebuild):
     """The main job on the embedded default: export SmolLM2-135M-Instruct (once), answer a
-    chat prompt with speculative decoding, then compare with plain decoding."""
+    chat prompt with speculative decoding, then time it against plain decoding."""
     from specdeploy.cli.demo import run_demo
 
-    run_demo(out, draft, prompt, max_new_tokens, draft_len, rebuild, dtype)
+    if repeats < 1:
+        raise InputError(f"--repeats {repeats}: expected at least 1")
+    run_demo(out, draft, prompt, max_new_tokens, draft_len, rebuild, dtype, repeats)
 
 
 if __name__ == "__main__":

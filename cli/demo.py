@@ -21,6 +21,13 @@ def draft_folder(out: Path) -> Path:
     return out.parent / f"{out.name}-draft"
 
 
+def _spelling(entry) -> str:
+    """A bundle's draft as `--draft` spells it (model drafts: 'model')."""
+    if entry.kind == "self":
+        return "self:" + ",".join(f"{k}={v}" for k, v in (("layers", entry.layers), ("dtype", entry.dtype)) if v is not None)
+    return entry.kind
+
+
 def _bundle_ready(out: Path, draft: str, dtype: str) -> bool:
     try:
         bundle = load_bundle(out)
@@ -28,13 +35,9 @@ def _bundle_ready(out: Path, draft: str, dtype: str) -> bool:
         return False
     if bundle.model("target").dtype != dtype:
         return False
-    kind = bundle.draft_kind
     if draft == DISTILLED:
-        return kind == "model" and bundle.draft.distilled is not None
-    want = "self" if draft.startswith("self:") else draft
-    if kind != want:
-        return False
-    return kind != "self" or f"self:layers={bundle.draft.layers}" == draft
+        return bundle.draft_kind == "model" and bundle.draft.distilled is not None
+    return _spelling(bundle.draft) == draft
 
 
 def _export(out: Path, draft: str, dtype: str) -> None:
@@ -55,11 +58,15 @@ def _export(out: Path, draft: str, dtype: str) -> None:
 
 
 def run_demo(
-    out: Path, draft: str, prompt: str, max_new_tokens: int, draft_len: int | str, rebuild: bool, dtype: str = "int4"
+    out: Path, draft: str, prompt: str, max_new_tokens: int, draft_len: int | str, rebuild: bool, dtype: str = "int4",
+    repeats: int = 3,
 ) -> None:
+    """Stream one speculative answer, then time plain and speculative decoding of the same
+    prompt `repeats` times each, alternating (the streamed run warmed both up), and print the
+    medians and whether every speculative output equals the plain one, token for token."""
     if rebuild or not _bundle_ready(out, draft, dtype):
         _export(out, draft, dtype)
-    session = Session(out, prompt_cache=False)  # the plain rerun prefills too: a fair comparison
+    session = Session(out, prompt_cache=False)  # every run prefills its prompt: a fair comparison
     click.echo(f"\n> {prompt}\n")
     gen = session.stream(prompt, chat=True, max_new_tokens=max_new_tokens, draft_len=draft_len)
     ids: list[int] = []
@@ -68,5 +75,10 @@ def run_demo(
         click.echo(piece.text, nl=False)
         sys.stdout.flush()
     click.echo("\n")
-    plain = session.generate(prompt, chat=True, max_new_tokens=max_new_tokens, speculate=False)
-    click.echo(summary(gen.stats, plain.stats, ids == plain.token_ids))
+    runs = []
+    for _ in range(repeats):
+        plain = session.generate(prompt, chat=True, max_new_tokens=max_new_tokens, speculate=False)
+        spec = session.generate(prompt, chat=True, max_new_tokens=max_new_tokens, draft_len=draft_len)
+        runs.append((spec, plain))
+    identical = all(s.token_ids == p.token_ids == runs[0][1].token_ids for s, p in runs) and ids == runs[0][1].token_ids
+    click.echo(summary([s.stats for s, _ in runs], [p.stats for _, p in runs], identical))

@@ -152,7 +152,7 @@ def decode(
         new = speculative_round(target, drafter, ids[:n], k, params, rng, stats, draft_len.min_confidence)
         if drafter is not None:
             draft_len.update(stats.last_proposed, stats.last_accepted, drafter.seconds - draft_before,
-                             stats.verify_seconds - verify_before)
+                             stats.verify_seconds - verify_before, drafter.caught_up)
         stop = np.flatnonzero(np.isin(new, eos))
         if stop.size:
             new = new[: stop[0] + 1]
@@ -169,6 +169,7 @@ def decode(
         stats.seconds = time.perf_counter() - t_start
         if produced == new.shape[0]:
             stats.first_token_seconds = stats.seconds
+            stats.first_round_tokens = produced
         if stop.size:
             stats.finish_reason = "eos"
         yield new

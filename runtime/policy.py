@@ -60,9 +60,16 @@ class DraftLength:
             return 1  # drafting does not pay so far: probe now and then in case the text changed
         return best_k
 
-    def update(self, proposed: int, accepted: int, draft_seconds: float, verify_seconds: float) -> None:
+    # A round leaves the draft's cache at most two tokens behind (the last draft token and the
+    # target's own); a first pass over more is catching up (after plain steps, or the prompt),
+    # and its time says nothing about what a draft step costs.
+    STEADY_CATCH_UP = 2
+
+    def update(self, proposed: int, accepted: int, draft_seconds: float, verify_seconds: float,
+               caught_up: int = 1) -> None:
         """After each round: `proposed` draft tokens (0: the pass was a plain step at T = 1),
-        `accepted` of them, the draft's and the verify pass's seconds."""
+        `accepted` of them, the draft's and the verify pass's seconds, and how many tokens the
+        draft's first pass fed (`caught_up`)."""
         d = self.decay
         self.accepted = d * self.accepted + accepted
         self.rejected = d * self.rejected + (1 if accepted < proposed else 0)
@@ -73,7 +80,8 @@ class DraftLength:
             self._verify_t1 = verify_seconds if t1 is None else d * t1 + (1 - d) * verify_seconds
             return
         t1 = self._verify_t1 or verify_seconds / (1 + self.verify_slope * proposed)
-        self.cost_ratio = d * self.cost_ratio + (1 - d) * (draft_seconds / proposed) / t1
+        if caught_up <= self.STEADY_CATCH_UP:
+            self.cost_ratio = d * self.cost_ratio + (1 - d) * (draft_seconds / proposed) / t1
         if self._verify_t1:
             slope = max(0.0, (verify_seconds / t1 - 1) / proposed)
             self.verify_slope = d * self.verify_slope + (1 - d) * slope

@@ -56,17 +56,26 @@ def describe(bundle: Bundle) -> str:
     return "\n".join(lines)
 
 
-def summary(spec: Stats, plain: Stats, identical: bool) -> str:
-    speedup = spec.tokens_per_second / plain.tokens_per_second if plain.tokens_per_second else 0.0
+def summary(spec: list[Stats], plain: list[Stats], identical: bool) -> str:
+    """Medians over runs of one prompt, speculative and plain alternating; the speedup is the
+    median of the per-pair ratios of decode-only tokens/s (first round's end to the last token)."""
+    from statistics import median
+
+    def line(name: str, runs: list[Stats]) -> str:
+        return (f"{name:<12} {runs[0].new_tokens} tokens: decoding {median(r.decode_tokens_per_second for r in runs):.1f} tok/s, "
+                f"whole request {median(r.tokens_per_second for r in runs):.1f} tok/s "
+                f"(first token {median(r.first_token_seconds for r in runs) * 1000:.0f} ms)")
+
+    ratios = [s.decode_tokens_per_second / p.decode_tokens_per_second for s, p in zip(spec, plain) if p.decode_tokens_per_second]
+    last = spec[-1]
     return "\n".join(
         [
-            f"speculative  {spec.new_tokens} tokens in {spec.seconds:.2f}s = {spec.tokens_per_second:.1f} tok/s "
-            f"(first token {spec.first_token_seconds * 1000:.0f} ms)",
-            f"plain        {plain.new_tokens} tokens in {plain.seconds:.2f}s = {plain.tokens_per_second:.1f} tok/s "
-            f"(first token {plain.first_token_seconds * 1000:.0f} ms)",
-            f"speedup      {speedup:.2f}x",
-            f"acceptance   {spec.acceptance_rate:.1%} of {spec.drafted} drafted tokens; "
-            f"{spec.mean_accepted:.2f} tokens per target pass ({spec.target_passes} passes)",
-            f"identical    {'yes: token for token' if identical else 'NO: outputs differ'}",
+            line("speculative", spec),
+            line("plain", plain),
+            f"speedup      {median(ratios) if ratios else 0.0:.2f}x decoding (median of {len(ratios)} alternating pairs; "
+            f"per pair {', '.join(f'{r:.2f}' for r in ratios)})",
+            f"acceptance   {last.acceptance_rate:.1%} of {last.drafted} drafted tokens; "
+            f"{last.mean_accepted:.2f} tokens per target pass ({last.target_passes} passes)",
+            f"identical    {'yes: token for token, every run' if identical else 'NO: outputs differ'}",
         ]
     )

@@ -17,6 +17,7 @@ class Stats:
     accepted_at: list[int] = field(default_factory=list)
     prefill_seconds: float = 0.0
     first_token_seconds: float = 0.0
+    first_round_tokens: int = 0  # tokens the first round committed (they arrive together)
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
     seconds: float = 0.0
@@ -36,7 +37,14 @@ class Stats:
 
     @property
     def tokens_per_second(self) -> float:
+        """Whole request: prompt processing included."""
         return self.new_tokens / self.seconds if self.seconds else 0.0
+
+    @property
+    def decode_tokens_per_second(self) -> float:
+        """Decoding only: the tokens after the first round, over the time from its end to the last."""
+        span = self.seconds - self.first_token_seconds
+        return (self.new_tokens - self.first_round_tokens) / span if span > 0 else 0.0
 
     def record_round(self, chosen: int | None, proposed: int, accepted: int) -> None:
         if chosen is not None:
@@ -69,6 +77,7 @@ class Stats:
             ],
             "seconds": round(self.seconds, 4),
             "tokens_per_second": round(self.tokens_per_second, 2),
+            "decode_tokens_per_second": round(self.decode_tokens_per_second, 2),
             "time_to_first_token": round(self.first_token_seconds, 4),
             "prefill_seconds": round(self.prefill_seconds, 4),
             "draft_seconds": round(self.draft_seconds, 4),

@@ -282,6 +282,19 @@ def test_auto_draft_length_follows_acceptance_and_cost():
     assert set(_run_rounds(DraftLength(8, fixed=3), 10, False)) == {3}
 
 
+def test_auto_measures_the_draft_step_not_its_catch_up():
+    """A draft that skipped plain steps catches up on the tokens it missed in its first pass:
+    that time is not a draft step's cost, or one catch-up would price the draft out for good."""
+    from specdeploy.runtime.policy import DraftLength
+
+    lengths = DraftLength(8, cost_ratio=0.4)
+    lengths.update(0, 0, draft_seconds=0.0, verify_seconds=0.020)  # a plain step: the T = 1 reference
+    lengths.update(1, 1, draft_seconds=0.060, verify_seconds=0.022, caught_up=9)  # after 8 plain steps
+    assert lengths.cost_ratio == 0.4
+    lengths.update(2, 2, draft_seconds=0.024, verify_seconds=0.022, caught_up=2)  # a steady round: 12 ms a step
+    assert lengths.cost_ratio == pytest.approx(0.8 * 0.4 + 0.2 * 0.6)
+
+
 def test_auto_draft_length_is_reported(bundles):
     session = Session(bundles("llama-ngram"))
     result = session.generate(PROMPTS[16], max_new_tokens=60, draft_len="auto")

@@ -54,3 +54,15 @@ def test_inspect_shows_the_quantized_self_draft(bundles):
 def test_bad_self_specs_are_one_line_errors(models, tmp_path, spec):
     assert_one_line_error(run("export", "--target", models["llama"], "--draft", spec, "--out", tmp_path / "o"),
                           f"--draft {spec!r}: expected self:layers=N")
+
+
+def test_the_demo_times_alternating_runs_and_compares_every_output(bundles):
+    """`specdeploy demo` over an existing bundle (no export): the streamed answer, then plain and
+    speculative runs alternating, medians and per-pair ratios, every output compared."""
+    path = bundles("llama-self-int8")
+    out = CliRunner().invoke(main, ["demo", "--out", str(path), "--draft", "self:dtype=int8", "--dtype", "fp32",
+                                    "--max-new-tokens", "12", "--repeats", "2", "--prompt", PROMPTS[3]])
+    assert out.exit_code == 0, out.output
+    assert "exporting" not in out.output  # the bundle matched the spelling: reused
+    assert "identical    yes: token for token, every run" in out.output
+    assert "median of 2 alternating pairs" in out.output and "decoding" in out.output

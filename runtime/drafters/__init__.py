@@ -32,6 +32,7 @@ class Drafter(Protocol):
     cost_ratio: float  # a draft step over a target pass before anything is measured
     passes: int  # draft passes run, and their seconds, since construction
     seconds: float
+    caught_up: int  # tokens the last proposal's first pass fed (a model draft catching up; else 0)
 
     @classmethod
     def from_bundle(cls, bundle: Bundle, backend: str, threads: int | None) -> "Drafter": ...

@@ -6,7 +6,7 @@ import time
 
 import numpy as np
 
-from specdeploy.core.manifest import Bundle, DraftEntry
+from specdeploy.core.manifest import Bundle, DraftEntry, ModelSpec
 
 from ..backends import make_engine
 from ..engine import Checked, Engine
@@ -26,13 +26,13 @@ class ModelDrafter:
         self.length = 0
         self.passes = 0
         self.seconds = 0.0
+        self.caught_up = 0
         self._runs = None  # the engine's pass count when `fed` was last true (see Engine.runs)
 
     @classmethod
     def from_bundle(cls, bundle: Bundle, backend: str, threads: int | None) -> "ModelDrafter":
         draft, target = bundle.model("draft"), bundle.model("target")
-        # At batch 1 a pass costs about what it reads: the ratio of parameters, until measured.
-        return cls(make_engine(backend, bundle, draft, threads), draft.parameters / max(target.parameters, 1))
+        return cls(make_engine(backend, bundle, draft, threads), static_cost_ratio(bundle, draft, target))
 
     @staticmethod
     def describe(entry: DraftEntry) -> str:
@@ -67,6 +67,7 @@ class ModelDrafter:
         from `rng`, so a seeded run replays."""
         t0 = time.perf_counter()
         pending = self._rollback(ids)
+        self.caught_up = pending.shape[0]
         seed = None if params.greedy else int(rng.integers(1 << 62))
         chain = self.engine.draft_chain(pending, self.length, k, None if params.greedy else params, seed)
         checked = target.verify_chain(int(ids[-1]), chain, ids.shape[0] - 1)
@@ -85,6 +86,7 @@ class ModelDrafter:
         """ids [n] committed tokens -> up to k draft tokens and their draft probs."""
         t0 = time.perf_counter()
         pending = self._rollback(ids)
+        self.caught_up = pending.shape[0]
         tokens = np.empty(k, dtype=np.int64)
         probs = None if params.greedy else np.empty((k, self.engine.vocab_size), dtype=np.float64)
         count = 0
@@ -120,6 +122,16 @@ class SelfDrafter(ModelDrafter):
     def describe(entry: DraftEntry) -> str:
         what = "the target itself" if entry.layers is None else f"the target's first {entry.layers} layers + its norm and head"
         return what + (f", at {entry.dtype}" if entry.dtype else "")
+
+
+def static_cost_ratio(bundle: Bundle, draft: ModelSpec, target: ModelSpec) -> float:
+    """A draft step over a target pass before anything is measured: at batch 1 a pass costs
+    about the bytes of weights it reads, so the ratio of the graph files' sizes (a quantized
+    self-draft has the target's parameter count but a quarter or less of its bytes). The
+    policy measures the real ratio from the first rounds on; a low start lets it draft, and
+    so measure, at all."""
+    sizes = [bundle.file(m.graph).stat().st_size for m in (draft, target)]
+    return sizes[0] / max(sizes[1], 1)
 
 
 def _softmax_max(logits: np.ndarray) -> float:
