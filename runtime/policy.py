@@ -40,6 +40,18 @@ class DraftLength:
         self.probe_every = 8
         self._rounds = 0
 
+    def carry_from(self, earlier: "DraftLength | None") -> "DraftLength":
+        """Start from what an earlier greedy generation of the same session measured (its
+        acceptance, costs and T = 1 reference) instead of the priors: the next request then
+        drafts at the paying length from its first rounds, and skips the reference step.
+        Greedy only (`measure`): under sampling k must not depend on earlier requests, or a
+        seeded run would not replay."""
+        if earlier is not None and self.measure and earlier.measure and self.fixed is None:
+            self.accepted, self.rejected = earlier.accepted, earlier.rejected
+            self.cost_ratio, self.verify_slope = earlier.cost_ratio, earlier.verify_slope
+            self._verify_t1 = earlier._verify_t1
+        return self
+
     @property
     def acceptance(self) -> float:
         return self.accepted / (self.accepted + self.rejected)

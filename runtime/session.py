@@ -141,6 +141,7 @@ class Session:
         self.target = make_engine(backend, b, b.model("target"), threads)
         self.drafter = make_drafter(b, backend, threads)
         self.eos_token_ids = self.tokenizer.eos_token_ids
+        self._auto: DraftLength | None = None  # the last greedy `auto` policy: the next one starts from it
         self._busy = threading.Lock()
 
     def fork(self) -> "Session":
@@ -151,6 +152,7 @@ class Session:
         twin.cache = PromptCache(self.bundle.max_seq) if self.cache is not None else None
         twin.drafter = self.drafter.fork() if self.drafter is not None else None
         twin.eos_token_ids = list(self.eos_token_ids)
+        twin._auto = None
         twin._busy = threading.Lock()
         return twin
 
@@ -219,6 +221,8 @@ class Session:
         if draft_len in (None, "auto"):
             cost = self.drafter.cost_ratio if self.drafter is not None else 0.0
             lengths = DraftLength(self.bundle.max_draft, cost_ratio=cost, measure=params.greedy)
+            if speculate:
+                lengths.carry_from(self._auto)
             k = self.bundle.max_draft
         else:
             k = _as_int(draft_len, "draft length")
@@ -227,6 +231,8 @@ class Session:
         self.check_request(ids, max_new_tokens, k)
         if not self._busy.acquire(blocking=False):
             raise InputError("this session is already generating; use one session per request (see SessionPool)")
+        if speculate and lengths.measure and lengths.fixed is None:
+            self._auto = lengths  # updated as this generation runs; the next starts from it
         stats = Stats()
         rounds = decode(
             self.target, drafter, ids, max_new_tokens, lengths, self.eos_token_ids, self.bundle.prefill_chunk, params, stats,

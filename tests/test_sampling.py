@@ -295,6 +295,26 @@ def test_auto_measures_the_draft_step_not_its_catch_up():
     assert lengths.cost_ratio == pytest.approx(0.8 * 0.4 + 0.2 * 0.6)
 
 
+def test_auto_starts_from_the_sessions_last_greedy_generation(bundles):
+    import copy
+
+    from specdeploy.runtime.policy import DraftLength
+
+    session = Session(bundles("llama-self"))
+    first = session.generate(PROMPTS[1], max_new_tokens=30, draft_len="auto")
+    assert first.stats.draft_len_history[1] == 0  # the T = 1 reference step, measured once
+    ended = copy.deepcopy(session._auto)  # the first generation's policy as it ended
+    assert ended._verify_t1 is not None and (ended.accepted, ended.rejected) != (2.0, 1.0)
+    want = DraftLength(session.bundle.max_draft, cost_ratio=0.5).carry_from(ended)
+    second = session.generate(PROMPTS[2], max_new_tokens=30, draft_len="auto")
+    assert second.stats.draft_len_history[0] == want.choose()  # it starts where the first ended
+    sampled = session.generate(PROMPTS[2], max_new_tokens=30, draft_len="auto", temperature=1.0, seed=3)
+    again = Session(bundles("llama-self")).generate(PROMPTS[2], max_new_tokens=30, draft_len="auto", temperature=1.0,
+                                                   seed=3)
+    assert sampled.token_ids == again.token_ids  # sampled runs never depend on earlier requests
+    assert sampled.stats.draft_len_history == again.stats.draft_len_history
+
+
 def test_auto_draft_length_is_reported(bundles):
     session = Session(bundles("llama-ngram"))
     result = session.generate(PROMPTS[16], max_new_tokens=60, draft_len="auto")
