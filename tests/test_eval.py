@@ -11,6 +11,7 @@ from specdeploy.runtime import Session
 from specdeploy.runtime import loop as loop_module
 from specdeploy.runtime.evaluate import _chi2_sf, evaluate
 from specdeploy.cli import main
+from test_sampling import _broken_skips_residual
 from tiny import PROMPTS
 
 
@@ -98,20 +99,6 @@ def test_nothing_proposed_is_not_tested_not_holds(bundles, tmp_path):
     assert "contract NOT TESTED" in result.stdout and "holds" not in result.stdout
     assert report["verdict"] == "not tested" and not report["contract_holds"]
     assert report["sampling"]["drafted"] == 0 and not report["sampling"]["tested"]
-
-
-def _broken_skips_residual(draft_tokens, draft_probs, target_probs, rng):
-    """A wrong sampler (as in test_sampling.py): on rejection it samples from p instead of
-    norm(max(0, p - q))."""
-    from specdeploy.runtime.sampling import sample
-
-    for i in range(draft_tokens.shape[0]):
-        x = int(draft_tokens[i])
-        q = 1.0 if draft_probs is None else draft_probs[i, x]
-        if rng.random() * q < target_probs[i, x]:
-            continue
-        return i, sample(target_probs[i], rng)
-    return draft_tokens.shape[0], sample(target_probs[-1], rng)
 
 
 def _broken_accepts_with_p(draft_tokens, draft_probs, target_probs, rng):
