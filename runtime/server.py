@@ -36,6 +36,7 @@ from starlette.routing import Route
 
 from specdeploy.core.errors import InputError, SpecdeployError
 from .pool import Cancelled, Overloaded, QueueTimeout, SessionPool
+from .tokenizer import check_text
 
 log = logging.getLogger("specdeploy.server")
 
@@ -85,12 +86,10 @@ def _number(body: dict, name: str, default: float, low: float, high: float, low_
 def _text(value: str, name: str) -> str:
     """Text must be encodable: JSON's \\ud800 escapes (and UTF-8-encoded surrogates, which
     Python's json accepts) give lone surrogates, which no tokenizer takes."""
-    if not value.isascii():
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError as e:
-            raise BadRequest(f"'{name}' is not valid Unicode text (a lone surrogate at character {e.start})", name) from None
-    return value
+    try:
+        return check_text(value, f"'{name}'")
+    except InputError as e:
+        raise BadRequest(str(e), name) from None
 
 
 def prompt_char_limit(pool: SessionPool) -> int:
@@ -99,10 +98,7 @@ def prompt_char_limit(pool: SessionPool) -> int:
     longer (a byte-level or SentencePiece token's vocabulary string is at least as long as
     the text it stands for). A tokenizer that drops characters (a whitespace pre-tokenizer)
     could fit more; such a prompt gets the same 400."""
-    longest = 0
-    with contextlib.suppress(Exception):
-        longest = max(map(len, pool.tokenizer._tok.get_vocab(with_added_tokens=True)))
-    return pool.bundle.max_seq * max(CHARS_PER_TOKEN, longest)
+    return pool.bundle.max_seq * max(CHARS_PER_TOKEN, pool.tokenizer.longest_token_chars())
 
 
 def parse_request(
@@ -156,10 +152,9 @@ def parse_request(
             req["prompt_ids"] = prompt
         else:
             raise BadRequest("'prompt' must be a string or a non-empty array of token ids", "prompt")
+    # absent (None): the default, or what fits after the prompt (set once it is tokenized)
     req["max_new_tokens"] = _field(body, "max_tokens", (int,), None, "an integer")
-    if req["max_new_tokens"] is None:  # absent: up to the default, or what fits after the prompt
-        req["max_new_tokens"] = None
-    elif not 1 <= req["max_new_tokens"] <= max_seq:
+    if req["max_new_tokens"] is not None and not 1 <= req["max_new_tokens"] <= max_seq:
         shown = str(req["max_new_tokens"])[:24]
         raise BadRequest(f"'max_tokens' {shown} is outside [1, {max_seq}]", "max_tokens")
     req["temperature"] = _number(body, "temperature", 1.0, 0.0, 2.0)
@@ -269,10 +264,13 @@ class _Outcome:
             self.metrics.requests.labels(self.endpoint, status).inc()
 
 
+def _error_body(message: str, kind: str, param: str | None = None) -> dict:
+    """The OpenAI error object, its message one line whatever raised it."""
+    return {"error": {"message": (message.splitlines() or [""])[0], "type": kind, "param": param, "code": None}}
+
+
 def _error(status: int, message: str, kind: str, param: str | None = None, headers: dict | None = None) -> JSONResponse:
-    message = (message.splitlines() or [""])[0]  # one line, whatever raised it
-    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": None}}, status,
-                        headers=headers)
+    return JSONResponse(_error_body(message, kind, param), status, headers=headers)
 
 
 def _next(gen):
@@ -288,7 +286,7 @@ def create_app(
     metrics = Metrics()
     max_seq = pool.bundle.max_seq
     max_chars = max_prompt_chars if max_prompt_chars is not None else prompt_char_limit(pool)
-    vocab = getattr(pool.session.target, "vocab_size", None)
+    vocab = pool.session.target.vocab_size
     limits = dict(max_chars=max_chars, vocab=vocab, max_draft=pool.bundle.max_draft)
     limiter: list[anyio.CapacityLimiter] = []  # made on the event loop, at the first request
 
@@ -455,9 +453,7 @@ class _Run:
     async def _fail(self, send, status: int, message: str, kind: str, label: str | None = None,
                     param: str | None = None, headers: dict | None = None) -> None:
         self.outcome(label or str(status))
-        message = (message.splitlines() or [""])[0]
-        await self._json(send, status, {"error": {"message": message, "type": kind, "param": param, "code": None}},
-                         headers)
+        await self._json(send, status, _error_body(message, kind, param), headers)
 
     async def _run(self, send) -> None:
         req = dict(self.req)
@@ -526,12 +522,11 @@ class _Run:
                     log.exception("unexpected error while generating")
                 status, kind_, message = 500, "server_error", (
                     str(e) if isinstance(e, SpecdeployError) else f"internal error ({type(e).__name__})")
-            message = (message.splitlines() or [""])[0]
             if not started_stream:
                 return await self._fail(send, status, message, kind_)
             # mid-stream: an error event, as OpenAI's API sends, then the end of the stream
             self.outcome(str(status))
-            await send(event({"error": {"message": message, "type": kind_, "param": None, "code": None}}))
+            await send(event(_error_body(message, kind_)))
             await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
             return
         stats = gen.stats
@@ -540,8 +535,7 @@ class _Run:
                 return await self._fail(send, 503, "the server shut down before the answer was complete",
                                         "overloaded", "cancelled")
             self.outcome("cancelled")
-            await send(event({"error": {"message": "the server shut down before the answer was complete",
-                                        "type": "overloaded", "param": None, "code": None}}))
+            await send(event(_error_body("the server shut down before the answer was complete", "overloaded")))
             await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
             return
         self.metrics.record(stats, time.perf_counter() - self.started)

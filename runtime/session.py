@@ -18,7 +18,7 @@ from .policy import DraftLength
 from .stats import Stats
 from .sampling import SamplingParams
 from .stops import StopMatcher
-from .tokenizer import TextStream, Tokenizer
+from .tokenizer import TextStream, Tokenizer, check_text
 
 
 @dataclass
@@ -158,15 +158,15 @@ class Session:
 
     # -- prompt handling -------------------------------------------------------------
     def encode(self, prompt: str, chat: bool = False) -> list[int]:
-        _check_text(prompt, "the prompt")
+        check_text(prompt, "the prompt")
         return self.tokenizer.encode_chat(prompt) if chat else self.tokenizer.encode(prompt)
 
     def encode_messages(self, messages: list[dict[str, str]], allow_special_in_content: bool = False) -> list[int]:
         """A whole chat (system / user / assistant turns) through the chat template. Special-token
         text inside a message stays text (a user cannot forge a turn) unless allowed."""
         for i, m in enumerate(messages):
-            _check_text(m["role"], f"messages[{i}].role")
-            _check_text(m["content"], f"messages[{i}].content")
+            check_text(m["role"], f"messages[{i}].role")
+            check_text(m["content"], f"messages[{i}].content")
         return self.tokenizer.encode_messages(messages, add_generation_prompt=True,
                                               allow_special_in_content=allow_special_in_content)
 
@@ -269,16 +269,6 @@ class Session:
             texts.append(piece.text)
             ids += piece.token_ids
         return Result("".join(texts), ids, gen.stats)
-
-
-def _check_text(text, what: str) -> None:
-    """Text is a str that UTF-8 can carry (no lone surrogates)."""
-    if not isinstance(text, str):
-        raise InputError(f"{what} must be text, got {type(text).__name__}")
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise InputError(f"{what} is not valid Unicode text (a lone surrogate at character {e.start})") from None
 
 
 def _as_ids(values) -> np.ndarray:

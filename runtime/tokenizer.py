@@ -216,6 +216,19 @@ def _no_first_prefix(tok: HFTokenizer) -> HFTokenizer:
     return copy
 
 
+def check_text(text, what: str) -> str:
+    """`text` if it is a str that UTF-8 can carry (no lone surrogates), else a one-line InputError."""
+    if not isinstance(text, str):
+        raise InputError(f"{what} must be text, got {type(text).__name__}")
+    if text.isascii():
+        return text
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise InputError(f"{what} is not valid Unicode text (a lone surrogate at character {e.start})") from None
+    return text
+
+
 class Tokenizer:
     def __init__(self, path: Path, spec: TokenizerEntry):
         self._tok = HFTokenizer.from_file(str(path))
@@ -230,6 +243,10 @@ class Tokenizer:
         }
         self._text_first = self._text_rest = None  # copies that read special-token strings as text
         self._lock = threading.Lock()
+
+    def longest_token_chars(self) -> int:
+        """Characters in the vocabulary's longest token string (special tokens included)."""
+        return max(map(len, self._tok.get_vocab(with_added_tokens=True)), default=0)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
