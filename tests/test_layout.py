@@ -69,3 +69,18 @@ def test_no_private_names_cross_the_halves():
                 if other != folder and other != "core":
                     private = [a.name for a in node.names if a.name.startswith("_")]
                     assert not private, f"{path.relative_to(ROOT)} imports private {private} from {node.module}"
+
+
+def test_every_package_is_installed():
+    """A wheel (not an editable install) holds only the packages pyproject.toml lists: every
+    folder with an __init__.py must be listed, mapped to its folder."""
+    import tomllib
+
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    listed, dirs = set(config["packages"]), config["package-dir"]
+    for folder, package in FOLDERS.items():
+        for init in sorted((ROOT / folder).rglob("__init__.py")):
+            rel = init.parent.relative_to(ROOT / folder)
+            name = ".".join([package, *rel.parts])
+            assert name in listed, f"{name} ({init.parent.relative_to(ROOT)}) is missing from pyproject.toml's packages"
+            assert dirs.get(name) == str(init.parent.relative_to(ROOT)), f"{name}: package-dir does not map it"
