@@ -64,6 +64,7 @@ def _positive(value: int, key: str, where: str, most: int | None = None) -> int:
 MOST = {"num_layers": 1024, "num_kv_heads": 1024, "head_dim": 4096, "vocab_size": 1 << 22,
         "max_seq": 1 << 20, "max_draft": 32}
 KV_DTYPES = ("float32", "float16")
+ATTENTIONS = ("exact", "fused")  # see ModelSpec.attention
 
 
 def bundle_file_name(name: Any, where: str) -> str:
@@ -101,6 +102,9 @@ class ModelSpec:
     quantization: dict | None = None
     parity: dict | None = None
     trt: dict | None = None  # the TensorRT plan built from this graph (`specdeploy build`)
+    # "exact": verify rows equal single steps bit for bit; "fused": ONNX Runtime's fused
+    # attention (GroupQueryAttention), rows equal up to rounding (README: exact and fused graphs)
+    attention: str = "exact"
 
     @property
     def kv_names(self) -> list[tuple[str, str]]:
@@ -119,6 +123,9 @@ class ModelSpec:
         kv_dtype = _take(d, "kv_dtype", str, where)
         if kv_dtype not in KV_DTYPES:
             raise BundleError(f"{where}: field 'kv_dtype' is {kv_dtype!r}, not one of {', '.join(KV_DTYPES)}")
+        attention = _take(d, "attention", str, where, optional=True) or "exact"
+        if attention not in ATTENTIONS:
+            raise BundleError(f"{where}: field 'attention' is {attention!r}, not one of {', '.join(ATTENTIONS)}")
         trt = _take(d, "trt", dict, where, optional=True)
         if trt is not None:
             bundle_file_name(trt.get("plan"), f"{where}.trt.plan")
@@ -142,6 +149,7 @@ class ModelSpec:
             quantization=_take(d, "quantization", dict, where, optional=True),
             parity=_take(d, "parity", dict, where, optional=True),
             trt=trt,
+            attention=attention,
             **ints,
         )
 
@@ -153,7 +161,7 @@ class ModelSpec:
             "num_heads": self.num_heads, "num_kv_heads": self.num_kv_heads, "head_dim": self.head_dim,
             "vocab_size": self.vocab_size, "dtype": self.dtype, "kv_dtype": self.kv_dtype,
             "sliding_window": self.sliding_window, "parameters": self.parameters, "inputs": self.inputs,
-            "outputs": self.outputs, "kv_aliases": self.kv_aliases,
+            "outputs": self.outputs, "kv_aliases": self.kv_aliases, "attention": self.attention,
         }
         for key in ("head_vocab", "quantization", "parity", "trt"):
             if getattr(self, key) is not None:

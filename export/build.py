@@ -17,15 +17,18 @@ import torch
 
 from specdeploy.core.errors import BundleError, ExportError
 from specdeploy.core.graph_io import io_names
-from specdeploy.core.manifest import MANIFEST, Manifest, ModelSpec, TokenizerEntry, checksums, write_manifest
+from specdeploy.core.manifest import ATTENTIONS, MANIFEST, Manifest, ModelSpec, TokenizerEntry, checksums, write_manifest
 
 from .drafts import parse_draft
 from .graph import SpecGraph, restrict_head
 from .load import Source, eos_token_ids, load_source, source_digest
 from .onnx_export import DTYPES, KV_DTYPES, check_parity, export_onnx
-from .quantize import SCHEMES, quantize_model
+from .quantize import QUANT_SCHEMES, SCHEMES, quantize_model
 
 VERSION = "0.1.0"
+# A draft graph that runs on ONNX Runtime only (int8/int4) is built for speed unless told
+# otherwise: measured in README "Exact and fused graphs".
+DRAFT_DEFAULTS = {"attention": "fused", "quant_scheme": "fast"}
 
 
 @contextmanager
@@ -45,9 +48,14 @@ def atomic_folder(out: Path):
         raise
 
 
+def model_window(cfg, max_seq: int) -> int | None:
+    """The sliding attention window of a model, None when it has none shorter than the buffer."""
+    window = getattr(cfg, "sliding_window", None) if cfg.model_type == "mistral" else None
+    return window if window and window < max_seq else None
+
+
 def model_entry(graph: SpecGraph, source: Source, role: str, graph_file: str, dtype: str, max_seq: int) -> ModelSpec:
     cfg = source.config
-    window = getattr(cfg, "sliding_window", None) if cfg.model_type == "mistral" else None
     inputs, outputs = io_names(graph.num_layers)
     kv_shape = [1, graph.num_kv_heads, max_seq, graph.head_dim]
     return ModelSpec(
@@ -65,7 +73,7 @@ def model_entry(graph: SpecGraph, source: Source, role: str, graph_file: str, dt
         vocab_size=cfg.vocab_size,
         dtype=dtype,
         kv_dtype=KV_DTYPES[dtype],
-        sliding_window=window if window and window < max_seq else None,
+        sliding_window=model_window(cfg, max_seq),
         parameters=sum(p.numel() for p in graph.parameters()),
         inputs={
             "input_ids": ["1", "T"],
@@ -83,16 +91,18 @@ def model_entry(graph: SpecGraph, source: Source, role: str, graph_file: str, dt
 
 
 def _export_model(
-    graph: SpecGraph, source: Source, *, work: Path, role: str, dtype: str, max_seq: int, max_draft: int,
-    prefill_chunk: int, full_model: bool, log: Callable[[str], None],
+    graph: SpecGraph, source: Source, *, work: Path, role: str, dtype: str, attention: str, max_seq: int,
+    max_draft: int, prefill_chunk: int, full_model: bool, log: Callable[[str], None],
 ) -> ModelSpec:
     graph_file = f"{role}.onnx"
     t0 = time.perf_counter()
-    if graph.quantization is not None:  # the CPU graphs: ONNX Runtime's fused RoPE too
-        graph.use_contrib_ops(max_seq)
-    export_onnx(graph, work / graph_file, max_seq, DTYPES[dtype], optimize=graph.quantization is None)
-    spec = model_entry(graph, source, role, graph_file, dtype, max_seq)
-    log(f"  {role}: exported {graph.num_layers} layers ({dtype}) in {time.perf_counter() - t0:.1f}s; checking parity")
+    fused = attention == "fused"
+    if graph.quantization is not None or fused:  # ONNX Runtime's graphs: its contrib ops
+        graph.use_contrib_ops(max_seq, fused=fused)
+    export_onnx(graph, work / graph_file, max_seq, DTYPES[dtype], optimize=not graph.contrib_ops)
+    spec = model_entry(graph, source, role, graph_file, dtype, max_seq).replace(attention=attention)
+    log(f"  {role}: exported {graph.num_layers} layers ({dtype}, {attention} attention) in "
+        f"{time.perf_counter() - t0:.1f}s; checking parity")
     # A quantized graph is compared with its own eager module (dequantized weights, int8
     # activation blocks as MatMulNBits computes them), not with the float source: it is
     # another model. GGUF blocks imported exactly were checked tensor by tensor on import.
@@ -104,9 +114,9 @@ def _export_model(
     return spec.replace(parity=parity)
 
 
-def source_graph(source: Source, dtype: str, num_layers: int | None = None) -> SpecGraph:
-    """The graph of `source` at `dtype`; int8/int4 quantize a copy (the source stays float,
-    so a target and its draft may differ in dtype)."""
+def source_graph(source: Source, dtype: str, num_layers: int | None = None, quant_scheme: str = "exact") -> SpecGraph:
+    """The graph of `source` at `dtype`; int8/int4 quantize a copy as `quant_scheme` says
+    (the source stays float, so a target and its draft may differ in dtype and scheme)."""
     record = None
     vocab = source.head_vocab
     model = copy.deepcopy(source.model) if dtype in SCHEMES or vocab else source.model
@@ -114,7 +124,7 @@ def source_graph(source: Source, dtype: str, num_layers: int | None = None) -> S
         restrict_head(model, vocab)
     if dtype in SCHEMES:
         gguf = source.path if source.path.suffix == ".gguf" else None
-        record = quantize_model(model, dtype, gguf, num_layers)
+        record = quantize_model(model, dtype, gguf, num_layers, quant_scheme)
     else:
         model = model.to(DTYPES[dtype])
     graph = SpecGraph(model, num_layers, head_vocab=vocab).eval()
@@ -141,7 +151,7 @@ def rebuild_graph(spec: ModelSpec) -> SpecGraph:
         source = load_source(spec.source)
     except ExportError as e:
         raise BundleError(f"the torch backend rebuilds the {spec.role} from its source model: {e}") from None
-    graph = source_graph(source, spec.dtype, spec.num_layers)
+    graph = source_graph(source, spec.dtype, spec.num_layers, (spec.quantization or {}).get("quant_scheme", "exact"))
     count = sum(p.numel() for p in graph.parameters())
     if count != spec.parameters:
         raise BundleError(
@@ -176,15 +186,25 @@ def build_bundle(
     prefill_chunk: int = 64,
     log: Callable[[str], None] = lambda _: None,
     draft_dtype: str | None = None,
+    attention: str = "exact",
+    quant_scheme: str = "exact",
+    draft_attention: str | None = None,
+    draft_quant_scheme: str | None = None,
 ) -> Manifest:
     """Export a target (and its draft) into the bundle folder `out`; returns the manifest.
-    `dtype` is the target's, `draft_dtype` the draft model's (default: the target's)."""
+    `dtype`, `attention` and `quant_scheme` are the target's; the draft model's default to
+    DRAFT_DEFAULTS where its graph runs on ONNX Runtime only (int8/int4), else the target's.
+    A draft owes no exactness (a wrong proposal is only rejected): its graph may be the fastest."""
     out = Path(out)
     recipe = parse_draft(draft)
     draft_dtype = dtype if draft_dtype is None else draft_dtype
-    for flag, value in (("--dtype", dtype), ("--draft-dtype", draft_dtype)):
-        if value not in DTYPES:
-            raise ExportError(f"{flag} {value!r}: expected one of {', '.join(DTYPES)}")
+    for flag, value, allowed in (
+        ("--dtype", dtype, DTYPES), ("--draft-dtype", draft_dtype, DTYPES),
+        ("--attention", attention, ATTENTIONS), ("--draft-attention", draft_attention or "exact", ATTENTIONS),
+        ("--quant-scheme", quant_scheme, QUANT_SCHEMES), ("--draft-quant-scheme", draft_quant_scheme or "exact", QUANT_SCHEMES),
+    ):
+        if value not in allowed:
+            raise ExportError(f"{flag} {value!r}: expected one of {', '.join(allowed)}")
     if not 2 <= max_seq <= 1 << 17:
         raise ExportError(f"--max-seq {max_seq}: expected 2..131072")
     if not 1 <= max_draft <= 32 or max_draft >= max_seq:
@@ -201,8 +221,21 @@ def build_bundle(
 
         def export_model(source: Source, model_dtype: str, role: str = "draft", num_layers: int | None = None,
                          full_model: bool = True) -> ModelSpec:
-            graph = source_graph(source, model_dtype, num_layers)
-            return _export_model(graph, source, role=role, dtype=model_dtype, full_model=full_model, **common)
+            if role == "target":
+                model_attention, scheme = attention, quant_scheme
+            else:
+                cpu_only = model_dtype in SCHEMES
+                model_attention = draft_attention or (DRAFT_DEFAULTS["attention"] if cpu_only else attention)
+                scheme = draft_quant_scheme or (DRAFT_DEFAULTS["quant_scheme"] if cpu_only else quant_scheme)
+            window = model_window(source.config, max_seq)
+            if model_attention == "fused" and window is not None:
+                if (draft_attention if role == "draft" else attention) == "fused":
+                    raise ExportError(f"--{'draft-' if role == 'draft' else ''}attention fused: {source.path} attends "
+                                      f"through a sliding window of {window}, which the fused graph does not take; use exact")
+                model_attention = "exact"
+            graph = source_graph(source, model_dtype, num_layers, scheme)
+            return _export_model(graph, source, role=role, dtype=model_dtype, attention=model_attention,
+                                 full_model=full_model, **common)
 
         models = {"target": export_model(target_source, dtype, role="target")}
         draft_model = recipe.export(target_source, draft_dtype, export_model)

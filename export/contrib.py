@@ -16,18 +16,25 @@ DOMAIN = "com.microsoft"
 
 
 def register_schema(name: str, inputs: list[tuple[str, str]], types: dict[str, list[str]], attributes: dict[str, str],
-                    optional: tuple[str, ...] = ()) -> None:
+                    optional: tuple[str, ...] = (), outputs: list[tuple[str, str]] | None = None) -> None:
+    """`optional` names attributes, inputs and outputs that may be left out; `outputs`
+    defaults to one output of the first input's type."""
     import onnx
     from onnx.defs import OpSchema
 
     if onnx.defs.has(name, DOMAIN):
         return
     param = OpSchema.FormalParameter
+    option = OpSchema.FormalParameterOption
+
+    def formal(n: str, t: str):
+        return param(n, t, param_option=option.Optional if n in optional else option.Single)
+
     schema = OpSchema(
         name, DOMAIN, 1,
         doc=f"{name} (ONNX Runtime contrib op)",
-        inputs=[param(n, t) for n, t in inputs],
-        outputs=[param("Y", inputs[0][1])],
+        inputs=[formal(n, t) for n, t in inputs],
+        outputs=[formal(n, t) for n, t in (outputs or [("Y", inputs[0][1])])],
         type_constraints=[(t, allowed, t) for t, allowed in types.items()],
         attributes=[
             OpSchema.Attribute(a, getattr(OpSchema.AttrType, kind), a, required=a not in optional)
@@ -77,3 +84,121 @@ def rope_caches(inv_freq: torch.Tensor, scale: float, positions: int) -> tuple[t
     """cos and sin [positions, D/2] in float32, computed as the standard-op graph computes them."""
     freqs = torch.arange(positions, dtype=torch.float32)[:, None] * inv_freq.float()[None]
     return freqs.cos() * scale, freqs.sin() * scale
+
+
+# -- the fused graph (--attention fused): residual + norm, and attention with its rotary
+#    embedding and KV write, one node each.
+
+@torch.library.custom_op("specdeploy::skip_rms_norm", mutates_args=())
+def skip_rms_norm(x: torch.Tensor, skip: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(RMSNorm(x + skip) * weight, x + skip): the eager meaning of
+    SkipSimplifiedLayerNormalization's first and fourth outputs (the residual stream goes on)."""
+    total = x + skip
+    t32 = total.float()
+    normed = (t32 / torch.sqrt(t32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    return weight.to(x.dtype) * normed, total
+
+
+@skip_rms_norm.register_fake
+def _(x, skip, weight, eps):
+    return torch.empty_like(x), torch.empty_like(x)
+
+
+def skip_rms_norm_onnx(x, skip, weight, eps):
+    register_schema(
+        "SkipSimplifiedLayerNormalization",
+        [("input", "T"), ("skip", "T"), ("gamma", "T")],
+        {"T": ["tensor(float)", "tensor(float16)"], "U": ["tensor(float)"]},
+        {"epsilon": "FLOAT"},
+        optional=("epsilon", "mean", "inv_std_var", "input_skip_bias_sum"),
+        outputs=[("output", "T"), ("mean", "U"), ("inv_std_var", "U"), ("input_skip_bias_sum", "T")],
+    )
+    normed, _, _, total = contrib("SkipSimplifiedLayerNormalization")(x, skip, weight, epsilon=eps)
+    return normed, total
+
+
+def attention_reference(q, k, v, key_cache, value_cache, write_indices, mask, scaling: float,
+                        write) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Grouped-query attention over the static KV buffers, q/k/v [B, heads, T, D] already
+    rotated: write k/v at write_indices with `write`, attend to the first L slots under the
+    additive mask [B, 1, 1, T, L]. The exact graph's attention, and the eager meaning of the
+    fused one."""
+    b, heads, t, d = q.shape
+    kv_heads = k.shape[1]
+    groups = heads // kv_heads
+    window = mask.shape[-1]
+    key_cache = write(key_cache, k.to(key_cache.dtype), write_indices)
+    value_cache = write(value_cache, v.to(value_cache.dtype), write_indices)
+    keys = key_cache[:, :, :window].to(q.dtype)  # [B, Hkv, L, D]: slots past the length are never read
+    values = value_cache[:, :, :window].to(q.dtype)
+    # The G query heads that share a KV head are stacked as G*T rows of one plain matmul.
+    qg = q.reshape(b, kv_heads, groups * t, d)
+    scores = torch.matmul(qg, keys.transpose(-1, -2)) * scaling  # [B, Hkv, G*T, L]
+    scores = scores.view(b, kv_heads, groups, t, window) + mask
+    probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+    out = torch.matmul(probs.view(b, kv_heads, groups * t, window), values)  # [B, Hkv, G*T, D]
+    out = out.reshape(b, heads, t, d).transpose(1, 2).reshape(b, t, heads * d)
+    return out, key_cache, value_cache
+
+
+def fused_attention_eager(qkv, key_cache, value_cache, write_indices, attention_mask, cos_cache, sin_cache,
+                          num_heads: int, kv_heads: int, scaling: float, write):
+    """The eager meaning of GroupQueryAttention over packed q|k|v [B, T, (H + 2 Hkv) D]:
+    rotate q and k at their positions (the write index onwards), then attention_reference."""
+    b, t, _ = qkv.shape
+    d = key_cache.shape[-1]
+    q, k, v = qkv.split([num_heads * d, kv_heads * d, kv_heads * d], dim=-1)
+    positions = write_indices[:, None] + torch.arange(t, device=qkv.device)
+    q = rotary(q, positions, cos_cache.to(q.dtype), sin_cache.to(q.dtype), num_heads)
+    k = rotary(k, positions, cos_cache.to(k.dtype), sin_cache.to(k.dtype), kv_heads)
+    shape = lambda x, h: x.reshape(b, t, h, d).transpose(1, 2)  # noqa: E731
+    return attention_reference(shape(q, num_heads), shape(k, kv_heads), shape(v, kv_heads), key_cache, value_cache,
+                               write_indices, attention_mask[:, :, None].to(q.dtype), scaling, write)
+
+
+@torch.library.custom_op("specdeploy::group_query_attention", mutates_args=())
+def group_query_attention(
+    qkv: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, write_indices: torch.Tensor,
+    attention_mask: torch.Tensor, cos_cache: torch.Tensor, sin_cache: torch.Tensor, num_heads: int, kv_heads: int,
+    scaling: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(attention output [B, T, H*D], key cache, value cache written): see fused_attention_eager."""
+    from .graph import kv_write
+
+    return fused_attention_eager(qkv, key_cache, value_cache, write_indices, attention_mask, cos_cache, sin_cache,
+                                 num_heads, kv_heads, scaling, kv_write)
+
+
+@group_query_attention.register_fake
+def _(qkv, key_cache, value_cache, write_indices, attention_mask, cos_cache, sin_cache, num_heads, kv_heads, scaling):
+    d = key_cache.shape[-1]
+    return qkv.new_empty((*qkv.shape[:2], num_heads * d)), torch.empty_like(key_cache), torch.empty_like(value_cache)
+
+
+def group_query_attention_onnx(qkv, key_cache, value_cache, write_indices, attention_mask, cos_cache, sin_cache,
+                               num_heads, kv_heads, scaling):
+    """GroupQueryAttention with past and present sharing one buffer (ONNX Runtime shares them
+    when both are bound to the same memory, as the runtime binds every KV buffer): the T new
+    rows are written at slots total - T .. total - 1, total = L (the mask's last dim), and
+    attention is causal over the first `total` slots. The mask's values are not read: this
+    graph serves contiguous causal passes only (prefill, steps, chain verification)."""
+    from onnxscript import values
+
+    register_schema(
+        "GroupQueryAttention",
+        [("query", "T"), ("key", "T"), ("value", "T"), ("past_key", "T"), ("past_value", "T"),
+         ("seqlens_k", "M"), ("total_sequence_length", "M"), ("cos_cache", "T"), ("sin_cache", "T")],
+        {"T": ["tensor(float)", "tensor(float16)"], "M": ["tensor(int32)"]},
+        {"num_heads": "INT", "kv_num_heads": "INT", "do_rotary": "INT", "rotary_interleaved": "INT", "scale": "FLOAT",
+         "local_window_size": "INT"},
+        optional=("key", "value", "past_key", "past_value", "cos_cache", "sin_cache", "do_rotary", "rotary_interleaved",
+                  "scale", "local_window_size"),
+        outputs=[("output", "T"), ("present_key", "T"), ("present_value", "T")],
+    )
+    op = values.Opset("", 24)
+    total = op.Shape(attention_mask, start=3, end=4)  # [1]: L
+    seqlens = op.Cast(op.Sub(total, op.Constant(value_ints=[1])), to=6)  # [B] int32 (B = 1): the last row's slot
+    return contrib("GroupQueryAttention")(
+        qkv, None, None, key_cache, value_cache, seqlens, op.Cast(op.Squeeze(total), to=6), cos_cache, sin_cache,
+        num_heads=num_heads, kv_num_heads=kv_heads, do_rotary=1, rotary_interleaved=0, scale=scaling,
+    )

@@ -133,74 +133,99 @@ class SpecGraph(nn.Module):
         self.scaling = self.head_dim**-0.5
         self.inplace = inplace  # eager runs over caller-owned buffers write in place
         self.contrib_ops = False  # see use_contrib_ops
+        self.fused = False
         self.vocab_size = cfg.vocab_size
         # A distilled draft's head covers these tokens only (see restrict_head); None: all.
         # A buffer, so `.to(device)` moves it with the weights (a copy inside a pass would not capture).
         self.register_buffer("head_vocab", None if head_vocab is None else torch.tensor(head_vocab, dtype=torch.long),
                              persistent=False)
 
-    def use_contrib_ops(self, positions: int) -> None:
+    def use_contrib_ops(self, positions: int, fused: bool = False) -> None:
         """Spell RoPE as ONNX Runtime's RotaryEmbedding (one node for what is otherwise about
-        seven per tensor) over cos/sin caches of `positions` rows. For the CPU graphs only:
-        TensorRT's parser does not read contrib ops."""
+        seven per tensor) over cos/sin caches of `positions` rows. `fused`: also each residual
+        add with the norm after it (SkipSimplifiedLayerNormalization) and each attention with
+        its rotary embedding and KV write (GroupQueryAttention), one node each; its verify
+        rows equal single steps only up to rounding (README: exact and fused graphs). For
+        ONNX Runtime only: TensorRT's parser does not read contrib ops."""
         from .contrib import rope_caches
 
         cos, sin = rope_caches(self.inv_freq, self.rope_scale, positions)
         self.register_buffer("cos_cache", cos, persistent=False)
         self.register_buffer("sin_cache", sin, persistent=False)
         self.contrib_ops = True
+        self.fused = fused
 
     @property
     def num_layers(self) -> int:
         return len(self.layers)
 
+    def _norm(self, norm: nn.Module, h: torch.Tensor, delta: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(h + delta), h + delta): a block's output joins the residual stream, then the
+        next norm reads it (one node in the fused graph)."""
+        if delta is None:
+            return rms_norm(norm, h), h
+        if self.fused:
+            from .contrib import skip_rms_norm
+
+            eps = getattr(norm, "variance_epsilon", None) or getattr(norm, "eps")
+            return skip_rms_norm(h, delta, norm.weight, eps)
+        h = h + delta
+        return rms_norm(norm, h), h
+
+    def _attention(self, attn: nn.Module, x, position_ids, write_indices, attention_mask, mask, cos, sin, key_cache,
+                   value_cache):
+        """-> (output [B, T, H*D], key cache, value cache) for one layer. `mask`: the additive
+        mask as attention_reference reads it."""
+        from .contrib import attention_reference, fused_attention_eager, group_query_attention
+
+        b, t, _ = x.shape
+        write = kv_write_inplace if self.inplace else kv_write
+        d = self.head_dim
+        fused_qkv = hasattr(attn, "qkv_proj")  # by export/quantize.py: one node for the three
+        if self.fused:
+            qkv = attn.qkv_proj(x) if fused_qkv else torch.cat((attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)), -1)
+            args = (qkv, key_cache, value_cache, write_indices, attention_mask, self.cos_cache.to(x.dtype),
+                    self.sin_cache.to(x.dtype), self.num_heads, self.num_kv_heads, self.scaling)
+            return fused_attention_eager(*args, write=write) if self.inplace else group_query_attention(*args)
+        if fused_qkv:
+            q, k, v = _split(attn.qkv_proj(x), attn.qkv_proj.split)
+        else:
+            q, k, v = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
+        if self.contrib_ops:
+            from .contrib import rotary
+
+            q = rotary(q, position_ids, self.cos_cache.to(q.dtype), self.sin_cache.to(q.dtype), self.num_heads)
+            k = rotary(k, position_ids, self.cos_cache.to(k.dtype), self.sin_cache.to(k.dtype), self.num_kv_heads)
+        q = q.view(b, t, self.num_heads, d).transpose(1, 2)
+        k = k.view(b, t, self.num_kv_heads, d).transpose(1, 2)
+        v = v.view(b, t, self.num_kv_heads, d).transpose(1, 2)
+        if not self.contrib_ops:
+            q = q * cos + _rotate_half(q) * sin
+            k = k * cos + _rotate_half(k) * sin
+        return attention_reference(q, k, v, key_cache, value_cache, write_indices, mask, self.scaling, write)
+
     def forward(self, input_ids, position_ids, write_indices, attention_mask, past: list[torch.Tensor]):
         b, t = input_ids.shape
         h = self.embed_tokens(input_ids)
-        freqs = position_ids[..., None].float() * self.inv_freq  # [B, T, D/2]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        cos = (emb.cos() * self.rope_scale).to(h.dtype)[:, None]  # [B, 1, T, D]
-        sin = (emb.sin() * self.rope_scale).to(h.dtype)[:, None]
-        window = attention_mask.shape[-1]
+        cos = sin = None
+        if not self.contrib_ops:
+            freqs = position_ids[..., None].float() * self.inv_freq  # [B, T, D/2]
+            emb = torch.cat((freqs, freqs), dim=-1)
+            cos = (emb.cos() * self.rope_scale).to(h.dtype)[:, None]  # [B, 1, T, D]
+            sin = (emb.sin() * self.rope_scale).to(h.dtype)[:, None]
         mask = attention_mask[:, :, None].to(h.dtype)  # [B, 1, 1, T, L]
-        groups = self.num_heads // self.num_kv_heads
         presents = []
+        delta = None  # the last block's output, not yet added to the residual stream h
         for i, layer in enumerate(self.layers):
-            attn = layer.self_attn
-            x = rms_norm(layer.input_layernorm, h)
-            if hasattr(attn, "qkv_proj"):  # fused by export/quantize.py: one node for the three
-                q, k, v = _split(attn.qkv_proj(x), attn.qkv_proj.split)
-            else:
-                q, k, v = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
-            if self.contrib_ops:
-                from .contrib import rotary
-
-                q = rotary(q, position_ids, self.cos_cache.to(q.dtype), self.sin_cache.to(q.dtype), self.num_heads)
-                k = rotary(k, position_ids, self.cos_cache.to(k.dtype), self.sin_cache.to(k.dtype), self.num_kv_heads)
-            q = q.view(b, t, self.num_heads, self.head_dim).transpose(1, 2)
-            k = k.view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
-            v = v.view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
-            if not self.contrib_ops:
-                q = q * cos + _rotate_half(q) * sin
-                k = k * cos + _rotate_half(k) * sin
-            write = kv_write_inplace if self.inplace else kv_write
-            key_cache = write(past[2 * i], k.to(past[2 * i].dtype), write_indices)
-            value_cache = write(past[2 * i + 1], v.to(past[2 * i + 1].dtype), write_indices)
+            x, h = self._norm(layer.input_layernorm, h, delta)
+            out, key_cache, value_cache = self._attention(
+                layer.self_attn, x, position_ids, write_indices, attention_mask, mask, cos, sin, past[2 * i], past[2 * i + 1]
+            )
             presents += [key_cache, value_cache]
-            # Only the first L slots are read: stale slots past the length never are.
-            keys = key_cache[:, :, :window].to(h.dtype)  # [B, Hkv, L, D]
-            values = value_cache[:, :, :window].to(h.dtype)
-            # Grouped-query attention without copying K/V per head: the G query heads that
-            # share a KV head are stacked as G*T rows of one plain matmul.
-            qg = q.reshape(b, self.num_kv_heads, groups * t, self.head_dim)
-            scores = torch.matmul(qg, keys.transpose(-1, -2)) * self.scaling  # [B, Hkv, G*T, L]
-            scores = scores.view(b, self.num_kv_heads, groups, t, window) + mask
-            probs = torch.softmax(scores.float(), dim=-1).to(h.dtype)
-            out = torch.matmul(probs.view(b, self.num_kv_heads, groups * t, window), values)  # [B, Hkv, G*T, D]
-            out = out.reshape(b, self.num_heads, t, self.head_dim).transpose(1, 2).reshape(b, t, -1)
-            h = h + attn.o_proj(out)
-            h = h + _mlp(layer.mlp, rms_norm(layer.post_attention_layernorm, h))
-        logits = self.lm_head(rms_norm(self.norm, h)).float()
+            x, h = self._norm(layer.post_attention_layernorm, h, layer.self_attn.o_proj(out))
+            delta = _mlp(layer.mlp, x)
+        x, h = self._norm(self.norm, h, delta)
+        logits = self.lm_head(x).float()
         if self.head_vocab is not None:  # one ScatterElements into rows of -inf
             full = logits.new_full((b, t, self.vocab_size), float("-inf"))
             logits = full.scatter(-1, self.head_vocab.expand(b, t, -1), logits)

@@ -13,7 +13,7 @@ from specdeploy.core.manifest import ModelSpec
 from specdeploy.core.errors import ExportError
 
 from .graph import OPSET, SpecGraph, kv_write, kv_write_onnx
-from .contrib import rotary_onnx
+from .contrib import group_query_attention_onnx, rotary_onnx, skip_rms_norm_onnx
 from .quantize import matmul_nbits_onnx
 
 # --dtype -> the float type of the graph's activations and KV cache. int8/int4 are
@@ -77,6 +77,8 @@ def export_onnx(graph: SpecGraph, path: Path, max_seq: int, kv_dtype: torch.dtyp
                 torch.ops.specdeploy.kv_write.default: kv_write_onnx,
                 torch.ops.specdeploy.matmul_nbits.default: matmul_nbits_onnx,
                 torch.ops.specdeploy.rotary.default: rotary_onnx,
+                torch.ops.specdeploy.skip_rms_norm.default: skip_rms_norm_onnx,
+                torch.ops.specdeploy.group_query_attention.default: group_query_attention_onnx,
             },
             verbose=False,
             optimize=optimize,
@@ -87,8 +89,9 @@ def export_onnx(graph: SpecGraph, path: Path, max_seq: int, kv_dtype: torch.dtyp
     onnx.save(model, str(path))
     onnx.checker.check_model(str(path), full_check=True)
     ops = {n.op_type for n in model.graph.node}
-    if "TensorScatter" not in ops:
-        raise ExportError(f"{path}: export produced no TensorScatter node; the KV cache would not be written in place")
+    writer = "GroupQueryAttention" if graph.fused else "TensorScatter"
+    if writer not in ops:
+        raise ExportError(f"{path}: export produced no {writer} node; the KV cache would not be written in place")
 
 
 def _name_dims(model) -> None:

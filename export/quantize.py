@@ -41,6 +41,15 @@ BLOCK = 32
 ACCURACY_LEVEL = 4  # MatMulNBits: int8 activations per block (MLAS's fast CPU path)
 SCHEMES = {"int4": 4, "int8": 8}
 HEAD_BITS = 8
+# --quant-scheme: where the blocks come from and their form.
+#   exact  the source's own blocks where it has them (a GGUF's Q4_0/Q4_1/Q8_0, imported
+#          unchanged), else round to nearest with a float minimum (Q4_1's form); head int8
+#   fast   round to nearest from the float weights with the form ONNX Runtime's kernels run
+#          fastest (symmetric: no minimum term, no zero points), the head in the same bits
+QUANT_SCHEMES = {
+    "exact": {"source_blocks": True, "zero": "min", "head_bits": HEAD_BITS},
+    "fast": {"source_blocks": False, "zero": "none", "head_bits": None},  # None: the linears' bits
+}
 PROJECTIONS = {  # HF module path within a layer -> GGUF tensor name within blk.N
     "self_attn.q_proj": "attn_q",
     "self_attn.k_proj": "attn_k",
@@ -92,14 +101,30 @@ class Blocks:
         return Blocks(self.bits, self.q[rows], self.scale[rows], self.zero[rows], pick(self.mins), self.origin)
 
 
-def quantize_float(w: np.ndarray, bits: int) -> Blocks:
-    """Round-to-nearest block quantization of float weights [N, K] (K a multiple of 32)."""
+def quantize_float(w: np.ndarray, bits: int, zero: str = "min") -> Blocks:
+    """Round-to-nearest block quantization of float weights [N, K] (K a multiple of 32).
+
+    4-bit `zero`: "min" (w = d q + m, a float minimum per block: GGUF's Q4_1), "int" (w = d (q - z),
+    an integer zero point per block: MatMulNBits needs no extra term) or "none" (symmetric,
+    w = d (q - 8): the extreme value of each block lands on -8, the full range used)."""
     n, k = w.shape
     b = w.astype(np.float32).reshape(n, k // BLOCK, BLOCK)
-    if bits == 4:  # asymmetric: the block's minimum and a step that spans it to its maximum
-        lo, hi = b.min(-1), b.max(-1)
+    if bits == 4 and zero == "none":
+        extreme = np.take_along_axis(b, np.abs(b).argmax(-1)[..., None], -1)[..., 0]
+        d = (extreme / -8).astype(np.float32)
+        safe = np.where(d != 0, d, 1)
+        q = np.clip(np.rint(b / safe[..., None]), -8, 7) + 8
+        return Blocks(4, q.astype(np.uint8).reshape(n, k), d, np.full(d.shape, 8, dtype=np.uint8), None, "float")
+    if bits == 4:  # asymmetric: a step that spans the block's minimum to its maximum
+        lo, hi = np.minimum(b.min(-1), 0) if zero == "int" else b.min(-1), b.max(-1)
+        if zero == "int":  # the zero point is an integer: the grid must hold 0 exactly
+            hi = np.maximum(hi, 0)
         d = ((hi - lo) / 15).astype(np.float32)
         safe = np.where(d > 0, d, 1)
+        if zero == "int":
+            z = np.clip(np.rint(-lo / safe), 0, 15)
+            q = np.clip(np.rint(b / safe[..., None]) + z[..., None], 0, 15)
+            return Blocks(4, q.astype(np.uint8).reshape(n, k), d, z.astype(np.uint8), None, "float")
         q = np.clip(np.rint((b - lo[..., None]) / safe[..., None]), 0, 15)
         return Blocks(4, q.astype(np.uint8).reshape(n, k), d, np.zeros_like(d, dtype=np.uint8), lo.astype(np.float32), "float")
     d = (np.abs(b).max(-1) / 127).astype(np.float32)
@@ -147,17 +172,21 @@ def pack(blocks: Blocks) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 
 @torch.library.custom_op("specdeploy::matmul_nbits", mutates_args=())
 def matmul_nbits(
-    x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zero_points: torch.Tensor, k: int, n: int, bits: int
+    x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zero_points: torch.Tensor | None, k: int, n: int, bits: int
 ) -> torch.Tensor:
     """x [..., K] @ dequantized(B)^T -> [..., N]: the eager meaning of MatMulNBits at
     accuracy level 4, whose CPU kernel first quantizes each block of 32 activations of a
     row to int8 (scale = max |x| / 127, round to nearest); done here the same way, so the
-    reference and ONNX Runtime differ only in summation order."""
+    reference and ONNX Runtime differ only in summation order. No zero points: every
+    block's is 2^(bits - 1) (symmetric), as MatMulNBits assumes when the input is absent."""
     nb = k // BLOCK
     xb = x.reshape(*x.shape[:-1], nb, BLOCK)
     scale = xb.abs().amax(-1, keepdim=True) / 127
     inverse = torch.where(scale > 0, 1 / scale, torch.zeros_like(scale))
     x = (torch.round(xb * inverse) * scale).reshape(x.shape)
+    if zero_points is None:
+        zero_points = torch.full((n * ((nb + 1) // 2 if bits == 4 else nb),), 0x88 if bits == 4 else 128,
+                                 dtype=torch.uint8, device=packed.device)
     if bits == 4:
         q = torch.stack([packed & 0x0F, packed >> 4], dim=-1).reshape(n, nb, BLOCK)
         zp = torch.stack([zero_points & 0x0F, zero_points >> 4], dim=-1).reshape(n, -1)[:, :nb]
@@ -179,7 +208,7 @@ def matmul_nbits_onnx(x, packed, scales, zero_points, k, n, bits):
         [("A", "T1"), ("B", "T2"), ("scales", "T1"), ("zero_points", "T3")],
         {"T1": ["tensor(float)", "tensor(float16)"], "T2": ["tensor(uint8)"], "T3": ["tensor(uint8)"]},
         {"K": "INT", "N": "INT", "bits": "INT", "block_size": "INT", "accuracy_level": "INT"},
-        optional=("accuracy_level",),
+        optional=("accuracy_level", "zero_points"),
     )
     return contrib("MatMulNBits")(
         x, packed, scales, zero_points, K=k, N=n, bits=bits, block_size=BLOCK, accuracy_level=ACCURACY_LEVEL
@@ -197,7 +226,8 @@ class QuantLinear(nn.Module):
         packed, scales, zp = pack(blocks)
         self.register_buffer("packed", torch.from_numpy(packed))
         self.register_buffer("scales", torch.from_numpy(scales))
-        self.register_buffer("zero_points", torch.from_numpy(zp))
+        symmetric = bool((blocks.zero == 1 << (blocks.bits - 1)).all())  # the op's default: no input, a leaner kernel
+        self.register_buffer("zero_points", None if symmetric else torch.from_numpy(zp))
         mins = None if blocks.mins is None else torch.from_numpy(np.ascontiguousarray(blocks.mins.T))  # [K/32, N]
         self.register_buffer("mins", mins)
         self.register_buffer("bias", None if bias is None else bias.detach().float().clone())
@@ -247,13 +277,19 @@ class GgufWeights:
         return None
 
 
-def quantize_model(model: nn.Module, scheme: str, gguf_path: Path | None = None, num_layers: int | None = None) -> dict:
+def quantize_model(model: nn.Module, scheme: str, gguf_path: Path | None = None, num_layers: int | None = None,
+                   quant_scheme: str = "exact", **choices) -> dict:
     """Replace the model's projections (scheme; the first `num_layers` layers) and output
-    head (int8) with QuantLinear, in place. Returns the record the manifest keeps: what was quantized and how."""
+    head with QuantLinear, in place, as `quant_scheme` says (QUANT_SCHEMES; `choices`
+    override its entries). Returns the record the manifest keeps: what was quantized and how."""
     if scheme not in SCHEMES:
         raise ExportError(f"quantization {scheme!r}: expected one of {', '.join(SCHEMES)}")
+    if quant_scheme not in QUANT_SCHEMES:
+        raise ExportError(f"--quant-scheme {quant_scheme!r}: expected one of {', '.join(QUANT_SCHEMES)}")
+    plan = {**QUANT_SCHEMES[quant_scheme], **choices}
+    plan["head_bits"] = plan["head_bits"] or SCHEMES[scheme]
     cfg = model.config
-    source = GgufWeights(gguf_path) if gguf_path is not None else None
+    source = GgufWeights(gguf_path) if gguf_path is not None and plan["source_blocks"] else None
     counts: dict[str, int] = {}
 
     def blocks_for(linear: nn.Module, gguf_name: str, bits: int, heads: int | None, what: str):
@@ -263,7 +299,7 @@ def quantize_model(model: nn.Module, scheme: str, gguf_path: Path | None = None,
             raise ExportError(f"{what}: input dimension {k} is not a multiple of the {BLOCK}-weight block; use --dtype fp32")
         blocks = source.blocks(gguf_name, bits, weight, heads) if source is not None else None
         if blocks is None:
-            blocks = quantize_float(weight, bits)
+            blocks = quantize_float(weight, bits, plan["zero"])
         key = f"{blocks.origin}->int{bits}"
         counts[key] = counts.get(key, 0) + 1
         return blocks, linear.bias
@@ -297,16 +333,18 @@ def quantize_model(model: nn.Module, scheme: str, gguf_path: Path | None = None,
             setattr(owner, attr, QuantLinear(blocks, bias))
     tied = model.lm_head.weight is model.model.embed_tokens.weight
     head_name = "token_embd.weight" if tied or (source and "output.weight" not in source.tensors) else "output.weight"
-    blocks, bias = blocks_for(model.lm_head, head_name, HEAD_BITS, None, "lm_head")
+    blocks, bias = blocks_for(model.lm_head, head_name, plan["head_bits"], None, "lm_head")
     model.lm_head = QuantLinear(blocks, bias)
     imported = sum(v for key, v in counts.items() if not key.startswith("float"))
     return {
         "scheme": scheme,
+        "quant_scheme": quant_scheme,
+        "zero": plan["zero"] if bits == 4 else "none",
         "method": "weight-only, blocks of 32 along the input dimension, MatMulNBits",
         "block_size": BLOCK,
         "accuracy_level": ACCURACY_LEVEL,
         "linear_bits": bits,
-        "head_bits": HEAD_BITS,
+        "head_bits": plan["head_bits"],
         "embedding": "float32",
         "tensors": dict(sorted(counts.items())),  # "<origin>-><int bits>": count
         "imported_exactly": imported,

@@ -29,12 +29,16 @@ def describe(bundle: Bundle) -> str:
             f"            KV: {2 * e.num_layers} buffers [1, {e.num_kv_heads}, {m.max_seq}, {e.head_dim}] "
             f"{e.kv_dtype}, written in place"
             + (f", sliding window {e.sliding_window}" if e.sliding_window else ""),
+            "            attention: " + (
+                "exact (verify rows equal single steps bit for bit)" if e.attention == "exact" else
+                "fused (ONNX Runtime GroupQueryAttention; verify rows equal single steps up to rounding)"),
         ]
         q = e.quantization
         if q:
             tensors = ", ".join(f"{n} {k}" for k, n in q["tensors"].items())
             lines.append(
-                f"            weights: {q['scheme']} blocks of {q['block_size']} (MatMulNBits, accuracy level "
+                f"            weights: {q['scheme']} {q.get('quant_scheme', 'exact')} scheme, blocks of {q['block_size']} "
+                f"(MatMulNBits, accuracy level "
                 f"{q['accuracy_level']}), head int{q['head_bits']}, embedding {q['embedding']}; {tensors} "
                 f"({q['imported_exactly']} imported exactly, {q['quantized_from_float']} quantized from float); "
                 "the parameter count above is the float ones"

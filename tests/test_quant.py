@@ -149,16 +149,20 @@ def test_each_dtype_exports_loads_and_runs(quant_bundles, name):
         q = entry.get("quantization")
         if entry["dtype"] in ("int4", "int8"):
             bits = int(entry["dtype"][3:])
-            assert q["scheme"] == entry["dtype"] and q["linear_bits"] == bits and q["head_bits"] == 8
+            # a target keeps the exact scheme (head int8); a quantized draft takes the fast one (head int4)
+            fast = role == "draft"
+            assert q["quant_scheme"] == ("fast" if fast else "exact")
+            head = bits if fast else 8
+            assert q["scheme"] == entry["dtype"] and q["linear_bits"] == bits and q["head_bits"] == head
             layers = entry["num_layers"]
-            want = {f"float->int{bits}": 7 * layers} if bits == 4 else {"float->int8": 7 * layers + 1}
-            if bits == 4:
-                want["float->int8"] = 1  # the head
+            want = {f"float->int{bits}": 7 * layers}
+            want[f"float->int{head}"] = want.get(f"float->int{head}", 0) + 1  # the head
             assert q["tensors"] == want
             assert q["imported_exactly"] == 0 and q["quantized_from_float"] == 7 * layers + 1
             assert entry["kv_dtype"] == "float32"  # the KV cache stays float
             graph = (path / entry["graph"]).read_bytes()
-            assert b"MatMulNBits" in graph and b"RotaryEmbedding" in graph
+            assert b"MatMulNBits" in graph
+            assert (b"GroupQueryAttention" if fast else b"RotaryEmbedding") in graph
         else:
             assert q is None
     session = Session(path)
