@@ -307,8 +307,8 @@ def quantize_model(model: nn.Module, scheme: str, gguf_path: Path | None = None,
     bits = SCHEMES[scheme]
     for i, layer in enumerate(list(model.model.layers)[:num_layers]):
         # Projections that read the same input become one MatMulNBits (and one block-minimum
-        # term): q/k/v, and gate/up. Fewer, larger nodes: on a CPU at T = 1 the per-node cost
-        # is a large part of a step.
+        # term): q/k/v, and gate/up where they carry a minimum term. Fewer, larger nodes: on
+        # a CPU at T = 1 the per-node cost is a large part of a step.
         for owner_name, fused_name, names in (
             ("self_attn", "qkv_proj", ("q_proj", "k_proj", "v_proj")), ("mlp", "gate_up_proj", ("gate_proj", "up_proj")),
         ):
@@ -320,6 +320,12 @@ def quantize_model(model: nn.Module, scheme: str, gguf_path: Path | None = None,
                     heads = cfg.num_attention_heads if attr == "q_proj" else cfg.num_key_value_heads
                 gguf_name = f"blk.{i}.{PROJECTIONS[f'{owner_name}.{attr}']}.weight"
                 parts.append(blocks_for(getattr(owner, attr), gguf_name, bits, heads, f"layer {i} {owner_name}.{attr}"))
+            if owner_name == "mlp" and parts[0][0].mins is None:
+                # Without a minimum term to share, gate and up stay two nodes: fused, their
+                # output's Split costs more than the second node (measured: README, fused graphs).
+                for attr, (blocks, bias) in zip(names, parts):
+                    setattr(owner, attr, QuantLinear(blocks, bias))
+                continue
             fused = Blocks.concat([b for b, _ in parts])
             biases = [bias if bias is not None else torch.zeros(b.shape[0]) for b, bias in parts]
             bias = None if all(bias is None for _, bias in parts) else torch.cat([x.detach().float() for x in biases])

@@ -63,14 +63,17 @@ class DraftLength:
         if self.measure and self._verify_t1 is None and self._rounds == 2:
             return 0  # one plain step: the T = 1 pass every other cost is measured against
         a = min(self.acceptance, 0.999)
-        best_k, best = 0, 1.0  # k = 0: a plain step, one verify pass at T = 1 per token
-        for k in range(1, self.max_k + 1):
-            rate = predicted_speedup(a, k, self.cost_ratio, self.verify_slope)
-            if rate > best:
-                best_k, best = k, rate
+        # k = 0: a plain step, one verify pass at T = 1 per token (rate 1)
+        rates = [1.0] + [predicted_speedup(a, k, self.cost_ratio, self.verify_slope) for k in range(1, self.max_k + 1)]
+        # Near its optimum the predicted rate is flat in k while the estimates it rests on are
+        # noisy: take the shortest k within NEAR_BEST of the best (fewer draft steps thrown
+        # away at a rejection), and plain steps when no k promises more than that margin.
+        best_k = next(k for k, rate in enumerate(rates) if rate >= self.NEAR_BEST * max(rates))
         if best_k == 0 and self._rounds % self.probe_every == 0:
             return 1  # drafting does not pay so far: probe now and then in case the text changed
         return best_k
+
+    NEAR_BEST = 0.97
 
     # A round leaves the draft's cache at most two tokens behind (the last draft token and the
     # target's own); a first pass over more is catching up (after plain steps, or the prompt),

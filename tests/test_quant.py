@@ -149,10 +149,10 @@ def test_each_dtype_exports_loads_and_runs(quant_bundles, name):
         q = entry.get("quantization")
         if entry["dtype"] in ("int4", "int8"):
             bits = int(entry["dtype"][3:])
-            # a target keeps the exact scheme (head int8); a quantized draft takes the fast one (head int4)
-            fast = role == "draft"
-            assert q["quant_scheme"] == ("fast" if fast else "exact")
-            head = bits if fast else 8
+            # both keep the exact scheme (head int8); a quantized draft's graph is the fused one
+            fused = role == "draft"
+            assert q["quant_scheme"] == "exact" and entry["attention"] == ("fused" if fused else "exact")
+            head = 8
             assert q["scheme"] == entry["dtype"] and q["linear_bits"] == bits and q["head_bits"] == head
             layers = entry["num_layers"]
             want = {f"float->int{bits}": 7 * layers}
@@ -162,7 +162,7 @@ def test_each_dtype_exports_loads_and_runs(quant_bundles, name):
             assert entry["kv_dtype"] == "float32"  # the KV cache stays float
             graph = (path / entry["graph"]).read_bytes()
             assert b"MatMulNBits" in graph
-            assert (b"GroupQueryAttention" if fast else b"RotaryEmbedding") in graph
+            assert (b"GroupQueryAttention" if fused else b"RotaryEmbedding") in graph
         else:
             assert q is None
     session = Session(path)
