@@ -571,13 +571,15 @@ def _usage(stats) -> dict:
 def serve(bundle: str, host: str = "127.0.0.1", port: int = 8000, workers: int = 1, max_queue: int = 8,
           threads: int | None = None, model_name: str | None = None, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
           graceful_seconds: float = DEFAULT_GRACEFUL_SECONDS, queue_timeout: float | None = None,
-          max_prompt_chars: int | None = None) -> None:
+          max_prompt_chars: int | None = None, device: str | None = None, trt_ep: bool = False) -> None:
     """Serve until SIGINT / SIGTERM; then uvicorn stops accepting, lets requests in flight
     finish for `graceful_seconds` (its `timeout_graceful_shutdown`), cancels the rest, and
-    the app's shutdown ends their generations after their current round."""
+    the app's shutdown ends their generations after their current round. `device`, `trt_ep`:
+    where the sessions run (as for Session)."""
     import uvicorn
 
-    pool = SessionPool(bundle, workers=workers, max_queue=max_queue, threads=threads, wait_seconds=queue_timeout)
+    pool = SessionPool(bundle, workers=workers, max_queue=max_queue, threads=threads, wait_seconds=queue_timeout,
+                       device=device, trt_ep=trt_ep)
     app = create_app(pool, model_name or pool.bundle.path.name, max_body_bytes=max_body_bytes,
                      max_prompt_chars=max_prompt_chars)
     uvicorn.run(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=graceful_seconds)

@@ -11,7 +11,7 @@ import numpy as np
 from specdeploy.core.errors import InputError
 from specdeploy.core.manifest import Bundle, load_bundle
 
-from .backends import make_engine
+from .backends import BackendChoice, Device, make_engine
 from .drafters import make_drafter
 from .loop import PromptCache, decode
 from .policy import DraftLength
@@ -126,20 +126,26 @@ class Session:
 
     def __init__(
         self, bundle: str | Path | Bundle, threads: int | None = None, verify: bool = True, backend: str = "ort",
-        prompt_cache: bool = True,
+        prompt_cache: bool = True, device: str | Device | None = None, trt_ep: bool = False,
     ):
         """`prompt_cache`: a generation whose prompt begins with tokens the KV buffers already
         hold (the previous prompt and answer: a chat's system prompt, its earlier turns)
         prefills only the rest (`Stats.cached_tokens` counts the reused ones). Off, every
-        prompt is prefilled whole: what a benchmark comparing runs of one prompt wants."""
+        prompt is prefilled whole: what a benchmark comparing runs of one prompt wants.
+
+        `device`: cpu, cuda or cuda:N (the ort and torch backends; None: the backend's own
+        default, the CPU for ort). `trt_ep`: ort on CUDA through ONNX Runtime's TensorRT
+        execution provider, falling back to its CUDA provider where TensorRT is missing."""
+        choice = BackendChoice.of(backend, device, trt_ep)  # checked before the bundle is read
         self.bundle = bundle if isinstance(bundle, Bundle) else load_bundle(bundle, verify=verify)
         b = self.bundle
         b.check_memory()  # before any buffer is allocated
         self.cache = PromptCache(b.max_seq) if prompt_cache else None
         self.tokenizer = Tokenizer(b.file(b.tokenizer.file), b.tokenizer)
-        self.backend = backend
-        self.target = make_engine(backend, b, b.model("target"), threads)
-        self.drafter = make_drafter(b, backend, threads)
+        self.backend = choice.name
+        self.choice = choice
+        self.target = make_engine(choice, b, b.model("target"), threads)
+        self.drafter = make_drafter(b, choice, threads)  # the drafters pass the choice on to make_engine
         self.eos_token_ids = self.tokenizer.eos_token_ids
         self._auto: DraftLength | None = None  # the last greedy `auto` policy: the next one starts from it
         self._busy = threading.Lock()

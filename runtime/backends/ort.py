@@ -1,20 +1,60 @@
-"""ONNX Runtime backend: IOBinding over KV buffers allocated once and written in place.
+"""ONNX Runtime backend: IOBinding over KV buffers allocated once on the device and written in place.
 
-Every KV buffer is bound as both `past_*` input and `present_*` output, so the graph's
-TensorScatter writes into it where it lies. Buffers and their bindings live as long as
-the engine; a pass binds only its small inputs and a logits buffer of its T.
+Every KV buffer is an OrtValue allocated once on the engine's device (the CPU, or a GPU through
+the CUDA or TensorRT execution provider), zero-filled, and bound as both `past_*` input and
+`present_*` output, so the graph's TensorScatter writes into it where it lies. A pass copies
+its small inputs up in one `update_inplace` and its logits come back once: on a GPU, one
+host-to-device and one device-to-host copy; on the CPU the same calls are memcpys and the
+logits a view. The CPU and the GPU run the same lines; only the provider list differs.
+
+CUDA graphs (ONNX Runtime's `enable_cuda_graph`, on by default on CUDA): a captured graph
+replays the addresses and shapes it was captured with, so every pass shape (T up to the
+largest verify pass, attention window L bucketed to a power of two by `window_length`) gets
+an IOBinding of its own, bound once, and a `gpu_graph_id` of its own in its RunOptions;
+longer passes (prefill chunks, a draft's first catch-up) run uncaptured (`gpu_graph_id` -1)
+with the exact window. `Placement(capture=True)` on the CPU runs the same bookkeeping (graph
+ids, bindings, windows) with nothing to capture: how the suite tests it.
+
+ONNX Runtime falls back to the CPU on its own when a provider fails to load; here that is an
+error, checked against `session.get_providers()`.
 """
 from __future__ import annotations
 
+import logging
 import os
+import warnings
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
 import onnxruntime as ort
 
-from specdeploy.core.errors import BundleError
-from specdeploy.core.graph_io import attention_mask, check_pass, io_names
+from specdeploy.core.errors import BundleError, InputError
+from specdeploy.core.graph_io import check_pass, fill_mask, io_names, window_length
 from specdeploy.core.manifest import ModelSpec
+
+from . import devices
+from .devices import Device, DeviceError
+
+log = logging.getLogger("specdeploy.runtime")
+
+CPU, CUDA, TENSORRT = "CPUExecutionProvider", "CUDAExecutionProvider", "TensorrtExecutionProvider"
+
+# The bundle dtypes each execution provider runs. int8/int4 graphs use ONNX Runtime contrib ops
+# (MatMulNBits, RotaryEmbedding): the CPU and CUDA providers have kernels for them (CUDA: 4-bit
+# MatMulNBits since ORT 1.17, 8-bit since 1.22); TensorRT parses none of them.
+PROVIDER_DTYPES = {
+    CPU: ("fp32", "fp16", "int8", "int4"),
+    CUDA: ("fp32", "fp16", "int8", "int4"),
+    TENSORRT: ("fp32", "fp16"),
+}
+
+MIN_WINDOW = 64  # the smallest attention window of a captured pass (see window_length)
+ALIGN = 256  # bytes between the starts of the staged inputs (CUDA allocations are 256-byte aligned)
+
+GPU_PACKAGE = "pip uninstall -y onnxruntime && pip install onnxruntime-gpu"
+CUDA_LIBRARIES = ("onnxruntime-gpu needs the CUDA and cuDNN libraries it was built for: "
+                  "pip install 'onnxruntime-gpu[cuda,cudnn]', or import torch first")
 
 
 def session_options(threads: int | None = None, spinning: bool = True) -> ort.SessionOptions:
@@ -34,15 +74,159 @@ def session_options(threads: int | None = None, spinning: bool = True) -> ort.Se
     return so
 
 
-def _load(graph_path: Path, spec: ModelSpec, threads: int | None, spinning: bool) -> ort.InferenceSession:
-    """An InferenceSession for one graph of the bundle, or a one-line BundleError naming the file:
-    a graph ONNX Runtime cannot load, or whose inputs and outputs are not the graph contract's."""
-    try:
-        session = ort.InferenceSession(str(graph_path), session_options(threads, spinning),
-                                       providers=["CPUExecutionProvider"])
-    except Exception as e:  # InvalidProtobuf, Fail, InvalidGraph, NoSuchFile...: onnxruntime's own types
-        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise BundleError(f"{graph_path}: ONNX Runtime cannot load this graph ({reason[:200]}); re-export the bundle") from None
+@dataclass(frozen=True)
+class Placement:
+    """Where and how a graph runs on ONNX Runtime.
+
+    capture: one CUDA graph per pass shape of T <= capture_max_t tokens (on the CPU: the same
+    bookkeeping, nothing captured). trt_ep: the TensorRT execution provider first, the CUDA
+    provider for what it does not take, its engine and timing caches in `trt_cache`."""
+
+    device: Device = Device("cpu")
+    trt_ep: bool = False
+    capture: bool = False
+    capture_max_t: int = 0
+    trt_cache: Path | None = None
+
+    @classmethod
+    def for_bundle(cls, bundle, device: "str | Device | None" = None, trt_ep: bool = False,
+                   capture: bool | None = None) -> "Placement":
+        """Defaults: the CPU; on CUDA, graphs captured for draft steps and verify passes (T up
+        to max draft + 1); the TensorRT caches beside the bundle folder (they belong to a GPU
+        and a TensorRT version, not to the bundle)."""
+        device = Device.parse(device or "cpu")
+        if trt_ep and device.kind != "cuda":
+            raise InputError("--trt-ep (ONNX Runtime's TensorRT execution provider) needs --device cuda[:N]")
+        if capture is None:
+            capture = device.kind == "cuda" and not trt_ep
+        path = Path(bundle.path)
+        return cls(device, trt_ep, capture, bundle.max_draft + 1 if capture else 0,
+                   path.parent / f"{path.name}.ort-trt-cache" if trt_ep else None)
+
+    @property
+    def provider(self) -> str:
+        """The provider the graph must run on (ONNX Runtime's first choice)."""
+        return TENSORRT if self.trt_ep else CUDA if self.device.kind == "cuda" else CPU
+
+    def providers(self, spec: ModelSpec, max_seq: int) -> list[tuple[str, dict]]:
+        """The `providers` argument of InferenceSession, first choice first, with their options."""
+        if self.device.kind == "cpu":
+            return [(CPU, {})]
+        cuda = {"device_id": self.device.index,
+                "use_tf32": 0}  # fp32 graphs stay fp32: TF32 would round matmul inputs to 10 bits
+        if self.capture:
+            cuda["enable_cuda_graph"] = 1
+        chain = [(CUDA, cuda), (CPU, {})]
+        if self.trt_ep:
+            chain.insert(0, (TENSORRT, trt_options(self, spec, max_seq)))
+        return chain
+
+    def fallback(self) -> "Placement | None":
+        """What to try when a session for this placement cannot be created: the CUDA provider
+        for the TensorRT one, uncaptured passes for captured ones; None: nothing left."""
+        if self.trt_ep:
+            return replace(self, trt_ep=False, trt_cache=None)
+        if self.capture and self.device.kind == "cuda":
+            return replace(self, capture=False, capture_max_t=0)
+        return None
+
+    def __str__(self) -> str:
+        extra = ", CUDA graphs" if self.capture and self.device.kind == "cuda" else ""
+        return f"{self.provider} on {self.device}{extra}"
+
+
+def trt_options(placement: Placement, spec: ModelSpec, max_seq: int) -> dict:
+    """The TensorRT provider's options: engine and timing caches, fp16 kernels for fp16 graphs
+    only (an fp32 graph stays fp32), and one optimization profile over every pass a session
+    runs (T and the window L from 1 to max_seq; a shape outside it would rebuild the engine)."""
+    cache = str(placement.trt_cache)
+
+    def shapes(t: int, window: int) -> str:
+        return f"input_ids:1x{t},position_ids:1x{t},attention_mask:1x1x{t}x{window}"
+
+    return {
+        "device_id": placement.device.index,
+        "trt_engine_cache_enable": True,
+        "trt_engine_cache_path": cache,
+        "trt_timing_cache_enable": True,
+        "trt_timing_cache_path": cache,
+        "trt_fp16_enable": spec.dtype == "fp16",
+        "trt_profile_min_shapes": shapes(1, 1),
+        "trt_profile_opt_shapes": shapes(1, min(max_seq, 512)),
+        "trt_profile_max_shapes": shapes(max_seq, max_seq),
+    }
+
+
+def check_placement(placement: Placement, spec: ModelSpec, graph_path: Path) -> Placement:
+    """Before anything is loaded: the bundle dtype against the provider, the provider in this
+    onnxruntime (the TensorRT one missing falls back to CUDA, logged), the GPU itself. One-line
+    errors name what is missing."""
+    if placement.device.kind == "cpu":
+        return placement
+    takes = PROVIDER_DTYPES[placement.provider]
+    if spec.dtype not in takes:
+        raise InputError(
+            f"{graph_path.name} ({spec.role}) is a {spec.dtype} graph; {placement.provider} takes {', '.join(takes)} "
+            f"bundles (int graphs use ONNX Runtime contrib ops TensorRT does not parse): drop --trt-ep, "
+            f"or export with --dtype fp16"
+        )
+    available = ort.get_available_providers()
+    missing = [devices.cuda_problem(placement.device)]  # every missing piece in the one line
+    if CUDA not in available:
+        missing.append(f"it needs onnxruntime-gpu: the installed onnxruntime {ort.__version__} has no {CUDA} "
+                       f"(it has {', '.join(available)}): {GPU_PACKAGE}")
+    if any(missing):
+        raise DeviceError(f"device {placement.device}: " + "; and ".join(m for m in missing if m))
+    if placement.trt_ep and TENSORRT not in available:
+        log.warning(f"{graph_path.name}: this onnxruntime-gpu has no {TENSORRT}; running on {CUDA} instead")
+        placement = placement.fallback()
+    return placement
+
+
+def _create(graph_path: Path, so: ort.SessionOptions, placement: Placement, spec: ModelSpec,
+            max_seq: int) -> ort.InferenceSession:
+    if placement.trt_cache is not None:
+        placement.trt_cache.mkdir(parents=True, exist_ok=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "not in available providers": checked against get_providers() instead
+        session = ort.InferenceSession(str(graph_path), so, providers=placement.providers(spec, max_seq),
+                                       enable_fallback=0)  # a provider that fails raises, never a silent CPU
+    session.disable_fallback()  # nor a failed run retried on the CPU
+    return session
+
+
+def _reason(e: Exception) -> str:
+    text = str(e).strip()
+    return (text.splitlines()[0] if text else type(e).__name__)[:200]
+
+
+def _load(graph_path: Path, spec: ModelSpec, max_seq: int, threads: int | None, spinning: bool,
+          placement: Placement) -> tuple[ort.InferenceSession, Placement]:
+    """An InferenceSession for one graph of the bundle, and the placement it got (after any
+    fallback: TensorRT -> CUDA, captured -> uncaptured, each logged), or a one-line error naming
+    the file: a graph ONNX Runtime cannot load, a provider that did not load, inputs and
+    outputs that are not the graph contract's."""
+    so = session_options(threads, spinning)
+    while True:
+        try:
+            session = _create(graph_path, so, placement, spec, max_seq)
+        except Exception as e:  # InvalidProtobuf, Fail, InvalidGraph, NoSuchFile, EP errors: onnxruntime's own types
+            fallback = placement.fallback()
+            if fallback is None and placement.device.kind == "cpu":
+                raise BundleError(f"{graph_path}: ONNX Runtime cannot load this graph ({_reason(e)}); re-export the bundle") from None
+            if fallback is None:
+                raise DeviceError(f"{graph_path}: ONNX Runtime could not create a session on {placement} ({_reason(e)})") from None
+            log.warning(f"{graph_path.name}: {placement} failed ({_reason(e)}); running on {fallback} instead")
+            placement = fallback
+            continue
+        got = session.get_providers()
+        if got[0] == CUDA and placement.trt_ep:  # ONNX Runtime's own fallback for a TensorRT that did not load
+            log.warning(f"{graph_path.name}: {TENSORRT} did not load; running on {CUDA} instead")
+            placement = placement.fallback()
+        elif got[0] != placement.provider:
+            raise DeviceError(f"{graph_path.name}: {placement.provider} did not load (ONNX Runtime would run this graph "
+                              f"on {', '.join(got)}); {CUDA_LIBRARIES}")
+        break
     inputs, outputs = io_names(spec.num_layers)
     have = ({i.name for i in session.get_inputs()}, {o.name for o in session.get_outputs()})
     if have != (set(inputs), set(outputs)):
@@ -52,73 +236,200 @@ def _load(graph_path: Path, spec: ModelSpec, threads: int | None, spinning: bool
             f"{graph_path}: its inputs and outputs are not the graph contract's for {spec.num_layers} layers "
             f"(missing {missing[:4]}, unexpected {extra[:4]}); re-export the bundle"
         )
-    return session
+    return session, placement
+
+
+def _allocate(shape, dtype, device: Device) -> ort.OrtValue:
+    return ort.OrtValue.ortvalue_from_shape_and_type(list(shape), np.dtype(dtype), device.kind, device.index)
+
+
+class _Stage:
+    """The inputs and the logits of every pass of T tokens, allocated once on the device.
+
+    input_ids [T], position_ids [T], write_indices [1] and the mask (room for [T, max_seq]) lie
+    in one byte buffer, each at an aligned offset: a pass fills the host copy and sends it up
+    in one `update_inplace`. Inputs are bound by address with the pass's shape, so the mask
+    [1, 1, T, L] is the first T*L floats of its room, whatever L is.
+    """
+
+    INPUTS = (("input_ids", np.int64), ("position_ids", np.int64), ("write_indices", np.int64),
+              ("attention_mask", np.float32))
+
+    def __init__(self, t: int, max_seq: int, vocab_size: int, device: Device):
+        self.t, self.device = t, device
+        self.offsets, self.host_views, at = {}, {}, 0
+        sizes = {"input_ids": t, "position_ids": t, "write_indices": 1, "attention_mask": t * max_seq}
+        for name, dtype in self.INPUTS:
+            self.offsets[name] = at
+            at += -(-sizes[name] * np.dtype(dtype).itemsize // ALIGN) * ALIGN
+        self.host = np.zeros(at, dtype=np.uint8)
+        for name, dtype in self.INPUTS:
+            start = self.offsets[name]
+            self.host_views[name] = self.host[start : start + sizes[name] * np.dtype(dtype).itemsize].view(dtype)
+        self.value = _allocate(self.host.shape, np.uint8, device)
+        self.logits = _allocate((1, t, vocab_size), np.float32, device)  # [1, T, V]
+
+    def stage(self, token_ids: np.ndarray, start: int, window: int, sliding_window: int | None) -> None:
+        """Write a pass's inputs and send them up: on a GPU, the pass's one host-to-device copy."""
+        v, t = self.host_views, self.t
+        v["input_ids"][:] = token_ids
+        v["position_ids"][:] = np.arange(start, start + t)
+        v["write_indices"][0] = start
+        fill_mask(v["attention_mask"][: t * window].reshape(t, window), start, sliding_window)
+        self.value.update_inplace(self.host)
+
+    def bind(self, binding: ort.IOBinding) -> None:
+        """Bind this T's token inputs and its logits buffer (the mask: `bind_mask`)."""
+        t = self.t
+        for name, shape in (("input_ids", [1, t]), ("position_ids", [1, t]), ("write_indices", [1])):
+            self._bind_input(binding, name, np.int64, shape)
+        binding.bind_ortvalue_output("logits", self.logits)
+
+    def bind_mask(self, binding: ort.IOBinding, window: int) -> None:
+        """Bind the mask [1, 1, T, window]: the first T*window floats of its room."""
+        self._bind_input(binding, "attention_mask", np.float32, [1, 1, self.t, window])
+
+    def _bind_input(self, binding: ort.IOBinding, name: str, dtype, shape: list[int]) -> None:
+        address = self.value.data_ptr() + self.offsets[name]
+        binding.bind_input(name, self.device.kind, self.device.index, dtype, shape, address)
 
 
 class OrtEngine:
-    """One graph of a bundle on ONNX Runtime (CPU)."""
+    """One graph of a bundle on ONNX Runtime: the CPU, or a GPU through the CUDA (or TensorRT)
+    execution provider."""
 
     chains = False  # every pass returns its logits to the host
-    device = "cpu"
 
     def __init__(
         self, graph_path: Path, spec: ModelSpec, max_seq: int, threads: int | None = None,
         session: ort.InferenceSession | None = None, spinning: bool | None = None,
+        placement: Placement | None = None,
     ):
-        """`spinning` (see session_options): default on for the target, off for a draft."""
+        """`spinning` (see session_options): default on for the target, off for a draft.
+        `session`: one already loaded for `placement` (a fork shares its weights)."""
         self.spec = spec
         self.graph_path = graph_path
         self.name = f"{spec.role} ({graph_path.name})"
         self.max_seq = max_seq
         self.vocab_size = spec.vocab_size
         self.runs = 0  # passes begun: a prompt prefix cache trusts the KV only if nobody else ran one
-        self.session = session or _load(graph_path, spec, threads, spec.role != "draft" if spinning is None else spinning)
+        self._threads = threads
+        self._spinning = spec.role != "draft" if spinning is None else spinning
+        placement = placement or Placement()
+        if session is None:
+            placement = check_placement(placement, spec, graph_path)
+            session, placement = _load(graph_path, spec, max_seq, threads, self._spinning, placement)
+        self.session, self.placement = session, placement
+        self.device = str(placement.device)
+        self.providers = session.get_providers()
         shape = (1, spec.num_kv_heads, max_seq, spec.head_dim)
-        # Host arrays own the memory; OrtValues view it. Allocated once, bound once.
-        self.kv_arrays = [np.zeros(shape, dtype=spec.kv_dtype) for _ in spec.kv_names]
-        self._kv_values = [ort.OrtValue.ortvalue_from_numpy(a) for a in self.kv_arrays]
-        self._binding = self.session.io_binding()
-        for (inp, out), value in zip(spec.kv_names, self._kv_values):
-            self._binding.bind_ortvalue_input(inp, value)
-            self._binding.bind_ortvalue_output(out, value)
-        self._logits: dict[int, np.ndarray] = {}  # one output buffer per distinct T
-        self._logits_values: dict[int, ort.OrtValue] = {}
+        # Allocated once on the device and zero-filled: slots past the length hold finite values,
+        # so a padded window's masked slots add exact zeros.
+        self._kv_values = [_allocate(shape, spec.kv_dtype, placement.device) for _ in spec.kv_names]
+        for value in self._kv_values:
+            value.update_inplace(np.zeros(shape, dtype=spec.kv_dtype))
+        self._stages: dict[int, _Stage] = {}  # by T
+        self._binding = self._kv_binding()  # uncaptured passes: its inputs rebound when the shape changes
+        self._bound: tuple[int, int] | None = None
+        self._uncaptured = _run_options(-1) if placement.capture else None
+        self._graphs: dict[tuple[int, int], tuple[ort.IOBinding, ort.RunOptions]] = {}  # (T, L) -> captured graph
+        self.captured_runs = 0
+        self.uncaptured_runs = 0
 
     @classmethod
-    def from_bundle(cls, bundle, spec: ModelSpec, threads: int | None = None) -> "OrtEngine":
-        return cls(bundle.file(spec.graph), spec, bundle.max_seq, threads)
+    def from_bundle(cls, bundle, spec: ModelSpec, threads: int | None = None, device: "str | Device | None" = None,
+                    trt_ep: bool = False, capture: bool | None = None) -> "OrtEngine":
+        return cls(bundle.file(spec.graph), spec, bundle.max_seq, threads,
+                   placement=Placement.for_bundle(bundle, device, trt_ep, capture))
 
     def fork(self) -> "OrtEngine":
-        """Another engine over the same weights (ONNX Runtime runs one InferenceSession from
-        several threads safely) with KV buffers and bindings of its own."""
-        return OrtEngine(self.graph_path, self.spec, self.max_seq, session=self.session)
+        """Another engine over the same weights with KV buffers and bindings of its own. ONNX
+        Runtime runs one InferenceSession from several threads safely, but not one that captures
+        CUDA graphs (and a captured graph keeps its buffers' addresses): a capturing engine's
+        fork loads a session of its own."""
+        return OrtEngine(self.graph_path, self.spec, self.max_seq, self._threads,
+                         session=None if self.placement.capture else self.session, spinning=self._spinning,
+                         placement=self.placement)
 
     def kv_addresses(self) -> list[int]:
         return [v.data_ptr() for v in self._kv_values]
 
+    @property
+    def kv_arrays(self) -> list[np.ndarray]:
+        """Host views of the KV buffers (CPU only): writing them writes the buffers."""
+        if self.placement.device.kind != "cpu":
+            raise AttributeError(f"kv_arrays: the KV buffers live on {self.device}; read them with kv_values")
+        return [v.numpy() for v in self._kv_values]
+
+    @property
+    def kv_values(self) -> list[ort.OrtValue]:
+        return list(self._kv_values)
+
+    @property
+    def graph_shapes(self) -> list[tuple[int, int]]:
+        """The (T, L) pass shapes captured so far, in the order of their graph ids (1, 2, ...)."""
+        return list(self._graphs)
+
     def forward(self, token_ids: np.ndarray, start: int) -> np.ndarray:
         """token_ids [T] at positions start..start+T-1 -> logits [T, V].
 
-        The returned array is this engine's buffer for T: valid until the next pass of
-        the same T.
+        The returned array is this engine's buffer for T (on a GPU, its host copy): valid until
+        the next pass of the same T.
         """
         self.runs += 1
         token_ids = np.asarray(token_ids, dtype=np.int64)
         check_pass(self.name, token_ids, start, self.max_seq, self.vocab_size)
         t = token_ids.shape[0]
-        b = self._binding
-        # Kept referenced until the run ends: the binding may view their memory.
-        self._inputs = {
-            "input_ids": np.ascontiguousarray(token_ids[None]),
-            "position_ids": np.arange(start, start + t, dtype=np.int64)[None],
-            "write_indices": np.array([start], dtype=np.int64),
-            "attention_mask": attention_mask(start, t, self.spec.sliding_window),
-        }
-        for name, value in self._inputs.items():
-            b.bind_cpu_input(name, value)
-        if t not in self._logits:
-            self._logits[t] = np.empty((1, t, self.vocab_size), dtype=np.float32)
-            self._logits_values[t] = ort.OrtValue.ortvalue_from_numpy(self._logits[t])
-        b.bind_ortvalue_output("logits", self._logits_values[t])
-        self.session.run_with_iobinding(b)
-        return self._logits[t][0]
+        captured = self.placement.capture and t <= self.placement.capture_max_t
+        window = window_length(start, t, MIN_WINDOW if captured else None, self.max_seq)
+        stage = self._stages.get(t)
+        if stage is None:  # allocated once per T, on the first pass of that length
+            stage = self._stages[t] = _Stage(t, self.max_seq, self.vocab_size, self.placement.device)
+        stage.stage(token_ids, start, window, self.spec.sliding_window)
+        binding, run_options = self._graph(stage, window) if captured else self._rebind(stage, window)
+        binding.synchronize_inputs()  # update_inplace copied from pageable memory: the device has it before the run
+        if run_options is None:  # a session that captures nothing
+            self.session.run_with_iobinding(binding)
+        else:
+            self.session.run_with_iobinding(binding, run_options)
+        return stage.logits.numpy()[0]  # on a GPU the pass's one device-to-host copy; on the CPU a view
+
+    # -- bindings --------------------------------------------------------------------------
+    def _kv_binding(self) -> ort.IOBinding:
+        binding = self.session.io_binding()
+        for (inp, out), value in zip(self.spec.kv_names, self._kv_values):
+            binding.bind_ortvalue_input(inp, value)
+            binding.bind_ortvalue_output(out, value)
+        return binding
+
+    def _rebind(self, stage: _Stage, window: int) -> tuple[ort.IOBinding, ort.RunOptions | None]:
+        """An uncaptured pass: the shared binding, its inputs rebound only where the shape
+        changed (the exact window moves every pass; T changes less often)."""
+        self.uncaptured_runs += 1
+        if self._bound is None or self._bound[0] != stage.t:
+            stage.bind(self._binding)
+        if self._bound != (stage.t, window):
+            stage.bind_mask(self._binding, window)
+        self._bound = (stage.t, window)
+        return self._binding, self._uncaptured
+
+    def _graph(self, stage: _Stage, window: int) -> tuple[ort.IOBinding, ort.RunOptions]:
+        """A captured pass shape: its binding (bound once, never rebound: the graph replays its
+        addresses) and its RunOptions with its own gpu_graph_id (0 is ONNX Runtime's, -1 none)."""
+        self.captured_runs += 1
+        key = (stage.t, window)
+        if key not in self._graphs:
+            binding = self._kv_binding()
+            stage.bind(binding)
+            stage.bind_mask(binding, window)
+            self._graphs[key] = (binding, _run_options(len(self._graphs) + 1))
+        return self._graphs[key]
+
+
+def _run_options(graph_id: int) -> ort.RunOptions:
+    options = ort.RunOptions()
+    options.add_run_config_entry("gpu_graph_id", str(graph_id))
+    return options
+
+
+__all__ = ["OrtEngine", "PROVIDER_DTYPES", "Placement", "check_placement", "session_options", "trt_options"]

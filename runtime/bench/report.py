@@ -14,6 +14,7 @@ import statistics
 from pathlib import Path
 
 from specdeploy.core.analytic import acceptance_estimate, predicted_speedup, tokens_per_pass
+from specdeploy.runtime.backends.devices import device_name as gpu_name
 
 from .latency import percentile
 from .runs import Run
@@ -96,13 +97,12 @@ def config_row(draft_len, runs: list[Run], plain: dict, ratios: list[float], ide
 
 
 def device_name(session) -> str:
-    """The target engine's device for the report's header, with the backend's name."""
-    device = session.target.device
-    if str(device).startswith("cuda"):
-        import torch  # only a CUDA engine gets here, and torch names its GPU
-
-        return f"{torch.cuda.get_device_name(device)} ({session.backend})"
-    return f"{platform.processor() or platform.machine()} CPU ({session.backend})"
+    """The target engine's device for the report's header, with the backend (and where it was
+    asked to run). A GPU is named by the NVIDIA driver: no torch import for an ort engine."""
+    device = str(session.target.device)
+    if device.startswith("cuda"):
+        return f"{gpu_name(device)} ({session.choice})"
+    return f"{platform.processor() or platform.machine()} CPU ({session.choice})"
 
 
 def format_report(report: dict) -> str:

@@ -28,11 +28,15 @@ def bench(
     threads: int | None = None,
     warmup: bool = True,
     log: Callable[[str], None] = lambda _: None,
+    device: str | None = None,
+    trt_ep: bool = False,
 ) -> dict:
-    """Profile `bundle` on `backend`; returns the report (see `format_report`, `plot`)."""
+    """Profile `bundle` on `backend` (on `device`, with `trt_ep`: as for Session); returns the
+    report (see `format_report`, `plot`)."""
     from specdeploy.runtime.session import Session
 
-    session = Session(bundle, threads=threads, backend=backend, prompt_cache=False)  # every run prefills its prompt
+    session = Session(bundle, threads=threads, backend=backend, prompt_cache=False,  # every run prefills its prompt
+                      device=device, trt_ep=trt_ep)
     lens = parse_draft_lens(draft_lens, session.bundle.max_draft) if session.drafter is not None else []
     prompts = list(prompts or DEFAULT_PROMPTS)
     if not prompts:
@@ -65,6 +69,7 @@ def bench(
         "bundle": str(bundle),
         "backend": backend,
         "device": device_name(session),
+        "placement": str(session.choice),
         "clock": "wall-clock + cuda-events" if timers else "wall-clock",
         "draft": session.bundle.draft.as_dict(),
         "prompts": len(prompts),
