@@ -149,10 +149,11 @@ def decode(
         # Never draft past the tokens still wanted: they would be thrown away.
         k = min(draft_len.choose(), max_new_tokens - produced - 1) if drafter is not None else 0
         draft_before, verify_before = (drafter.seconds if drafter else 0.0), stats.verify_seconds
+        passes_before = drafter.passes if drafter else 0
         new = speculative_round(target, drafter, ids[:n], k, params, rng, stats, draft_len.min_confidence)
         if drafter is not None:
             draft_len.update(stats.last_proposed, stats.last_accepted, drafter.seconds - draft_before,
-                             stats.verify_seconds - verify_before, drafter.caught_up)
+                             stats.verify_seconds - verify_before, drafter.caught_up, drafter.passes - passes_before)
         stop = np.flatnonzero(np.isin(new, eos))
         if stop.size:
             new = new[: stop[0] + 1]

@@ -81,10 +81,12 @@ class DraftLength:
     STEADY_CATCH_UP = 2
 
     def update(self, proposed: int, accepted: int, draft_seconds: float, verify_seconds: float,
-               caught_up: int = 1) -> None:
+               caught_up: int = 1, draft_passes: int = 0) -> None:
         """After each round: `proposed` draft tokens (0: the pass was a plain step at T = 1),
-        `accepted` of them, the draft's and the verify pass's seconds, and how many tokens the
-        draft's first pass fed (`caught_up`)."""
+        `accepted` of them, the draft's and the verify pass's seconds, how many tokens the
+        draft's first pass fed (`caught_up`) and how many passes it ran (0: as many as it
+        proposed). A draft that stopped early on an unsure token ran one pass more than it
+        proposed: its cost per step is per pass, not per proposed token."""
         d = self.decay
         self.accepted = d * self.accepted + accepted
         self.rejected = d * self.rejected + (1 if accepted < proposed else 0)
@@ -96,7 +98,7 @@ class DraftLength:
             return
         t1 = self._verify_t1 or verify_seconds / (1 + self.verify_slope * proposed)
         if caught_up <= self.STEADY_CATCH_UP:
-            self.cost_ratio = d * self.cost_ratio + (1 - d) * (draft_seconds / proposed) / t1
+            self.cost_ratio = d * self.cost_ratio + (1 - d) * (draft_seconds / (draft_passes or proposed)) / t1
         if self._verify_t1:
             slope = max(0.0, (verify_seconds / t1 - 1) / proposed)
             self.verify_slope = d * self.verify_slope + (1 - d) * slope
