@@ -11,6 +11,7 @@ from pathlib import Path
 import click
 
 from specdeploy.core.errors import InputError, SpecdeployError
+from specdeploy.core.manifest import ATTENTIONS
 
 DEFAULT_PROMPT = "Explain in three short sentences why the sky is blue."
 
@@ -25,6 +26,16 @@ class _Cli(click.Group):
 
 
 DTYPES = ["fp32", "fp16", "int8", "int4"]  # export/onnx_export.py's, without importing torch here
+QUANT_SCHEMES = ["exact", "fast"]  # export/quantize.py's
+
+
+def _device_options(command):
+    """--device and --trt-ep: where the engines run (checked by the runtime, one-line errors)."""
+    command = click.option("--trt-ep", is_flag=True,
+                           help="ort on CUDA: ONNX Runtime's TensorRT execution provider (engine cache beside the "
+                                "bundle); its CUDA provider where TensorRT is missing.")(command)
+    return click.option("--device", help="cpu, cuda or cuda:N for the ort and torch backends  "
+                                         "[default: ort on the CPU, torch on CUDA when it sees a GPU]")(command)
 
 
 @click.group(cls=_Cli)
@@ -42,7 +53,18 @@ def main():
               help="Target weights: fp32; fp16 (GPUs; KV cache fp16 too); int8/int4 (weight-only blocks, CPUs).")
 @click.option("--draft-dtype", type=click.Choice(DTYPES), default=None, help="Draft model weights.  [default: --dtype]")
 @click.option("--prefill-chunk", default=64, show_default=True, help="Prompt tokens per prefill pass.")
-def export_cmd(target, draft, out, max_seq, max_draft, dtype, draft_dtype, prefill_chunk):
+@click.option("--attention", type=click.Choice(ATTENTIONS), default="exact", show_default=True,
+              help="Target graph: exact (verify rows equal single steps bit for bit) or fused (ONNX Runtime's "
+                   "GroupQueryAttention and fused norms; ONNX Runtime only; exact up to rounding).")
+@click.option("--quant-scheme", type=click.Choice(QUANT_SCHEMES), default="exact", show_default=True,
+              help="int8/int4 target: exact (a GGUF's own blocks) or fast (re-quantized in the form the CPU kernels "
+                   "run fastest, 4-bit head).")
+@click.option("--draft-attention", type=click.Choice(ATTENTIONS), default=None,
+              help="Draft graph.  [default: fused for an int8/int4 draft, else --attention]")
+@click.option("--draft-quant-scheme", type=click.Choice(QUANT_SCHEMES), default=None,
+              help="int8/int4 draft.  [default: exact]")
+def export_cmd(target, draft, out, max_seq, max_draft, dtype, draft_dtype, prefill_chunk, attention, quant_scheme,
+               draft_attention, draft_quant_scheme):
     """Export TARGET (and its draft) into an ONNX bundle with in-place KV buffers."""
     from specdeploy.export import build_bundle, embedded_default
 
@@ -50,7 +72,8 @@ def export_cmd(target, draft, out, max_seq, max_draft, dtype, draft_dtype, prefi
         target = embedded_default()
     build_bundle(
         target, draft, out, max_seq, max_draft, dtype, prefill_chunk, log=lambda m: click.echo(m, err=True),
-        draft_dtype=draft_dtype,
+        draft_dtype=draft_dtype, attention=attention, quant_scheme=quant_scheme, draft_attention=draft_attention,
+        draft_quant_scheme=draft_quant_scheme,
     )
 
 
@@ -103,14 +126,15 @@ def _parse_ids(text: str) -> list[int]:
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object: text, token_ids, stats.")
 @click.option("--threads", type=int, help="ONNX Runtime intra-op threads (default: all cores).")
 @click.option("--backend", type=click.Choice(["ort", "torch", "trt"]), default="ort", show_default=True)
+@_device_options
 def generate(bundle, prompt, prompt_ids, chat, max_new_tokens, draft_len, no_speculate, temperature, top_k, top_p,
-             seed, stop, as_json, threads, backend):
+             seed, stop, as_json, threads, backend, device, trt_ep):
     """Generate from BUNDLE, streaming the text."""
     from specdeploy.runtime.session import Session
 
     if (prompt is None) == (prompt_ids is None):
         raise InputError("give exactly one of --prompt or --prompt-ids")
-    session = Session(bundle, threads=threads, backend=backend)
+    session = Session(bundle, threads=threads, backend=backend, device=device, trt_ep=trt_ep)
     kwargs = dict(max_new_tokens=max_new_tokens, draft_len=draft_len, speculate=not no_speculate, chat=chat,
                   temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, stop=stop)
     if prompt_ids is not None:
@@ -146,6 +170,7 @@ def inspect(bundle, no_verify):
 @main.command()
 @click.argument("bundle", type=click.Path(path_type=Path))
 @click.option("--backend", type=click.Choice(["ort", "torch", "trt"]), default="ort", show_default=True)
+@_device_options
 @click.option("--draft-len", default="1,2,4,8,auto", show_default=True, help="Comma-separated draft lengths.")
 @click.option("--prompts", type=click.Path(path_type=Path), help="One prompt per line (default: a built-in set).")
 @click.option("--max-new-tokens", default=64, show_default=True)
@@ -154,7 +179,8 @@ def inspect(bundle, no_verify):
 @click.option("--threads", type=int)
 @click.option("--json", "json_out", type=click.Path(path_type=Path))
 @click.option("--plot", "plot_out", type=click.Path(path_type=Path))
-def bench(bundle, backend, draft_len, prompts, max_new_tokens, repeats, no_chat, threads, json_out, plot_out):
+def bench(bundle, backend, device, trt_ep, draft_len, prompts, max_new_tokens, repeats, no_chat, threads, json_out,
+          plot_out):
     """Latency profile of BUNDLE: plain vs each draft length, measured and predicted speedup."""
     from specdeploy.runtime.bench import bench as run_bench, format_report, plot, read_prompts, write_json
 
@@ -162,7 +188,7 @@ def bench(bundle, backend, draft_len, prompts, max_new_tokens, repeats, no_chat,
         raise InputError(f"--prompts {prompts}: no such file")
     texts = read_prompts(prompts) if prompts else None
     report = run_bench(bundle, backend, draft_len, texts, max_new_tokens, repeats, chat=not no_chat,
-                       threads=threads, log=lambda m: click.echo(m, err=True))
+                       threads=threads, log=lambda m: click.echo(m, err=True), device=device, trt_ep=trt_ep)
     click.echo(format_report(report))
     if json_out:
         write_json(report, json_out)
@@ -210,8 +236,9 @@ def build(bundle, workspace_gb, timing_cache, roles):
 @click.option("--queue-timeout", type=float, help="Seconds a request may wait for a session; then 503 (default: no limit).")
 @click.option("--graceful-seconds", default=10.0, show_default=True,
               help="On SIGTERM / Ctrl-C: how long requests in flight may finish before they are cancelled.")
+@_device_options
 def serve(bundle, host, port, workers, max_queue, threads, model_name, max_body_bytes, max_prompt_chars, queue_timeout,
-          graceful_seconds):
+          graceful_seconds, device, trt_ep):
     """Serve BUNDLE over OpenAI-compatible HTTP (completions, chat, SSE streaming, /metrics)."""
     from specdeploy.runtime.server import serve as run_server
 
@@ -223,7 +250,45 @@ def serve(bundle, host, port, workers, max_queue, threads, model_name, max_body_
         raise InputError("--queue-timeout must be > 0 and --graceful-seconds a finite number >= 0")
     click.echo(f"serving {bundle} on http://{host}:{port} ({workers} session(s), queue {max_queue})", err=True)
     run_server(str(bundle), host, port, workers, max_queue, threads, model_name, max_body_bytes=max_body_bytes,
-               graceful_seconds=graceful_seconds, queue_timeout=queue_timeout, max_prompt_chars=max_prompt_chars)
+               graceful_seconds=graceful_seconds, queue_timeout=queue_timeout, max_prompt_chars=max_prompt_chars,
+               device=device, trt_ep=trt_ep)
+
+
+@main.command("triton-repo")
+@click.argument("bundle", required=False, type=click.Path(path_type=Path))
+@click.argument("out", required=False, type=click.Path(path_type=Path))
+@click.option("--name", help="Model name (default: the bundle folder name).")
+@click.option("--instances", default=1, show_default=True,
+              help="Model instances: processes, each with the bundle loaded and its own KV buffers.")
+@click.option("--max-queue", default=8, show_default=True,
+              help="Requests allowed to wait while every instance is busy; Triton refuses the ones past it.")
+@click.option("--backend", type=click.Choice(["ort", "torch", "trt"]), default="ort", show_default=True,
+              help="ort on the CPU; torch or trt on each instance's GPU.")
+@click.option("--threads", type=int, help="ONNX Runtime intra-op threads per instance (default: all cores).")
+@click.option("--reference", is_flag=True, help="State the bundle's absolute path in config.pbtxt instead of copying it.")
+@click.option("--check", "check_dir", type=click.Path(path_type=Path),
+              help="Check the repository at this path instead: config.pbtxt against Triton's ModelConfig, model.py, bundle.")
+def triton_repo(bundle, out, name, instances, max_queue, backend, threads, reference, check_dir):
+    """Write a Triton Inference Server model repository that serves BUNDLE (streaming, over
+    gRPC or HTTP): OUT/NAME/config.pbtxt, OUT/NAME/1/model.py and OUT/NAME/1/bundle/."""
+    from specdeploy.runtime import triton
+
+    if check_dir is not None:
+        if bundle is not None:
+            raise InputError("--check takes the repository's path; give no BUNDLE or OUT with it")
+        problems, summaries = triton.check_repository(check_dir)
+        for line in problems:
+            click.echo(line)
+        if problems:
+            raise InputError(f"{len(problems)} problem(s) in {check_dir}")
+        for line in summaries:
+            click.echo(f"ok: {line}")
+        return
+    if bundle is None or out is None:
+        raise InputError("give BUNDLE and OUT (or --check REPOSITORY)")
+    model_dir = triton.write_repository(bundle, out, name, instances, max_queue, backend, threads, reference)
+    click.echo(f"wrote {model_dir} ({instances} instance(s), queue {max_queue}); serve it with "
+               f"tritonserver --model-repository {out}", err=True)
 
 
 @main.command("eval")
