@@ -23,15 +23,19 @@ def tokens_per_pass(acceptance: float, draft_len: float) -> float:
     return (1.0 - a ** (g + 1)) / (1.0 - a)
 
 
-def predicted_speedup(acceptance: float, draft_len: float, cost_ratio: float, verify_growth: float = 0.0) -> float:
+def predicted_speedup(acceptance: float, draft_len: float, cost_ratio: float, verify_growth: float = 0.0,
+                      draft_overhead: float = 0.0) -> float:
     """Leviathan et al.'s speedup: tokens per pass / (g*c + 1), c = draft step / target pass.
     `verify_growth`: the verify pass's extra cost per extra token, relative to T = 1 (0 in
     the paper's model; measurable on a CPU, where a T = 5 pass costs more than T = 1).
+    `draft_overhead`: what a round's drafting costs beyond g steps, relative to a target pass
+    (a model draft's first pass catches up on the tokens the last round committed: T = 2).
 
     >>> round(predicted_speedup(0.5, 2, 0.1), 6)
     1.458333
     """
-    return tokens_per_pass(acceptance, draft_len) / (draft_len * cost_ratio + 1.0 + verify_growth * draft_len)
+    return tokens_per_pass(acceptance, draft_len) / (
+        draft_len * cost_ratio + draft_overhead + 1.0 + verify_growth * draft_len)
 
 
 def acceptance_estimate(rounds: Sequence[tuple[int, int]]) -> float:

@@ -153,7 +153,8 @@ def decode(
         new = speculative_round(target, drafter, ids[:n], k, params, rng, stats, draft_len.min_confidence)
         if drafter is not None:
             draft_len.update(stats.last_proposed, stats.last_accepted, drafter.seconds - draft_before,
-                             stats.verify_seconds - verify_before, drafter.caught_up, drafter.passes - passes_before)
+                             stats.verify_seconds - verify_before, drafter.caught_up, drafter.passes - passes_before,
+                             drafter.first_seconds)
         stop = np.flatnonzero(np.isin(new, eos))
         if stop.size:
             new = new[: stop[0] + 1]

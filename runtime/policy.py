@@ -35,6 +35,7 @@ class DraftLength:
         self.accepted = 2.0  # pseudo-counts: start at a = 2/3, optimistic enough to try drafting
         self.rejected = 1.0
         self.cost_ratio = cost_ratio  # draft step / verify pass: a static estimate, then measured
+        self.first_extra = 0.0  # what a round's first draft pass costs beyond a step, relative to T = 1
         self.verify_slope = 0.05  # extra verify cost per extra token, relative to T = 1
         self._verify_t1: float | None = None
         self.probe_every = 8
@@ -49,6 +50,7 @@ class DraftLength:
         if earlier is not None and self.measure and earlier.measure and self.fixed is None:
             self.accepted, self.rejected = earlier.accepted, earlier.rejected
             self.cost_ratio, self.verify_slope = earlier.cost_ratio, earlier.verify_slope
+            self.first_extra = earlier.first_extra
             self._verify_t1 = earlier._verify_t1
         return self
 
@@ -64,16 +66,18 @@ class DraftLength:
             return 0  # one plain step: the T = 1 pass every other cost is measured against
         a = min(self.acceptance, 0.999)
         # k = 0: a plain step, one verify pass at T = 1 per token (rate 1)
-        rates = [1.0] + [predicted_speedup(a, k, self.cost_ratio, self.verify_slope) for k in range(1, self.max_k + 1)]
-        # Near its optimum the predicted rate is flat in k while the estimates it rests on are
-        # noisy: take the shortest k within NEAR_BEST of the best (fewer draft steps thrown
-        # away at a rejection), and plain steps when no k promises more than that margin.
-        best_k = next(k for k, rate in enumerate(rates) if rate >= self.NEAR_BEST * max(rates))
+        rates = [1.0] + [predicted_speedup(a, k, self.cost_ratio, self.verify_slope, self.first_extra)
+                         for k in range(1, self.max_k + 1)]
+        # Plain steps unless some k promises more than PAYS: the estimates are noisy, and a
+        # gain the model barely predicts is one the round's own overhead can take back.
+        best_k = max(range(len(rates)), key=rates.__getitem__)
+        if rates[best_k] < self.PAYS:
+            best_k = 0
         if best_k == 0 and self._rounds % self.probe_every == 0:
             return 1  # drafting does not pay so far: probe now and then in case the text changed
         return best_k
 
-    NEAR_BEST = 0.97
+    PAYS = 1.03
 
     # A round leaves the draft's cache at most two tokens behind (the last draft token and the
     # target's own); a first pass over more is catching up (after plain steps, or the prompt),
@@ -81,12 +85,16 @@ class DraftLength:
     STEADY_CATCH_UP = 2
 
     def update(self, proposed: int, accepted: int, draft_seconds: float, verify_seconds: float,
-               caught_up: int = 1, draft_passes: int = 0) -> None:
+               caught_up: int = 1, draft_passes: int = 0, first_seconds: float = 0.0) -> None:
         """After each round: `proposed` draft tokens (0: the pass was a plain step at T = 1),
         `accepted` of them, the draft's and the verify pass's seconds, how many tokens the
         draft's first pass fed (`caught_up`) and how many passes it ran (0: as many as it
-        proposed). A draft that stopped early on an unsure token ran one pass more than it
-        proposed: its cost per step is per pass, not per proposed token."""
+        proposed) and, where the drafter timed it, its first pass's seconds. A draft that
+        stopped early on an unsure token ran one pass more than it proposed: its cost per step
+        is per pass, not per proposed token. The first pass feeds the tokens the last round
+        committed (T = 2 in a steady round) and costs more than a step: priced on its own
+        (`first_extra`), or a round of one draft token would look dear per step and `auto`
+        would settle on the short rounds that make it look so."""
         d = self.decay
         self.accepted = d * self.accepted + accepted
         self.rejected = d * self.rejected + (1 if accepted < proposed else 0)
@@ -97,8 +105,16 @@ class DraftLength:
             self._verify_t1 = verify_seconds if t1 is None else d * t1 + (1 - d) * verify_seconds
             return
         t1 = self._verify_t1 or verify_seconds / (1 + self.verify_slope * proposed)
+        passes = draft_passes or proposed
+        if first_seconds and passes > 1:  # the later passes are steps of T = 1
+            step = (draft_seconds - first_seconds) / (passes - 1)
+            self.cost_ratio = d * self.cost_ratio + (1 - d) * step / t1
         if caught_up <= self.STEADY_CATCH_UP:
-            self.cost_ratio = d * self.cost_ratio + (1 - d) * (draft_seconds / (draft_passes or proposed)) / t1
+            if first_seconds:
+                extra = max(0.0, first_seconds / t1 - self.cost_ratio)
+                self.first_extra = d * self.first_extra + (1 - d) * extra
+            elif passes:
+                self.cost_ratio = d * self.cost_ratio + (1 - d) * (draft_seconds / passes) / t1
         if self._verify_t1:
             slope = max(0.0, (verify_seconds / t1 - 1) / proposed)
             self.verify_slope = d * self.verify_slope + (1 - d) * slope

@@ -296,6 +296,27 @@ def test_auto_measures_the_draft_step_not_its_catch_up():
     assert lengths.cost_ratio == pytest.approx(0.8 * 0.4 + 0.2 * 0.6)
 
 
+def test_auto_prices_the_first_draft_pass_apart_from_the_steps():
+    """A round's first draft pass feeds the tokens the last round committed (T = 2) and costs
+    more than a step. Priced per step, rounds of one draft token look dearest and `auto` settles
+    on them; priced apart, the steps keep their own cost and the choice follows acceptance."""
+    from specdeploy.runtime.policy import DraftLength
+
+    lengths = DraftLength(8, cost_ratio=0.4)
+    lengths.update(0, 0, draft_seconds=0.0, verify_seconds=0.020)  # the T = 1 reference: 20 ms
+    # 3 passes: a 15 ms first pass, then two 9 ms steps
+    lengths.update(3, 3, draft_seconds=0.033, verify_seconds=0.022, caught_up=2, draft_passes=3, first_seconds=0.015)
+    assert lengths.cost_ratio == pytest.approx(0.8 * 0.4 + 0.2 * 0.45)
+    assert lengths.first_extra == pytest.approx(0.2 * (0.75 - lengths.cost_ratio))
+    # a round that stopped early on an unsure token: 2 passes, 1 token proposed
+    before = lengths.cost_ratio
+    lengths.update(1, 1, draft_seconds=0.024, verify_seconds=0.021, caught_up=2, draft_passes=2, first_seconds=0.015)
+    assert lengths.cost_ratio == pytest.approx(0.8 * before + 0.2 * 0.45)
+    # with acceptance high and steps at about half a target pass, auto drafts several tokens
+    lengths.accepted, lengths.rejected = 12.0, 1.0
+    assert lengths.choose() >= 3
+
+
 def test_auto_starts_from_the_sessions_last_greedy_generation(bundles):
     import copy
 

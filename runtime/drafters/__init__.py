@@ -33,6 +33,7 @@ class Drafter(Protocol):
     passes: int  # draft passes run, and their seconds, since construction
     seconds: float
     caught_up: int  # tokens the last proposal's first pass fed (a model draft catching up; else 0)
+    first_seconds: float  # the last proposal's first pass (0.0: not timed on its own)
 
     @classmethod
     def from_bundle(cls, bundle: Bundle, backend: str, threads: int | None) -> "Drafter": ...

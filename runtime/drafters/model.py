@@ -27,6 +27,7 @@ class ModelDrafter:
         self.passes = 0
         self.seconds = 0.0
         self.caught_up = 0
+        self.first_seconds = 0.0
         self._runs = None  # the engine's pass count when `fed` was last true (see Engine.runs)
 
     @classmethod
@@ -68,6 +69,7 @@ class ModelDrafter:
         t0 = time.perf_counter()
         pending = self._rollback(ids)
         self.caught_up = pending.shape[0]
+        self.first_seconds = 0.0  # the chain is timed as a whole
         seed = None if params.greedy else int(rng.integers(1 << 62))
         chain = self.engine.draft_chain(pending, self.length, k, None if params.greedy else params, seed)
         checked = target.verify_chain(int(ids[-1]), chain, ids.shape[0] - 1)
@@ -92,6 +94,8 @@ class ModelDrafter:
         count = 0
         for i in range(k):
             logits = self.engine.forward(pending, self.length)[-1]
+            if i == 0:
+                self.first_seconds = time.perf_counter() - t0
             self.fed[self.length : self.length + pending.shape[0]] = pending
             self.length += pending.shape[0]
             self.passes += 1

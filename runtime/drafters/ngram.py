@@ -19,6 +19,7 @@ class NgramDrafter:
     engine = None
     cost_ratio = 0.0  # a lookup costs next to nothing beside a pass
     caught_up = 0
+    first_seconds = 0.0
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
         self.max_ngram = max_ngram
