@@ -20,6 +20,7 @@ import numpy as np
 from specdeploy.core.errors import BundleError
 from specdeploy.core.manifest import Bundle, DraftEntry
 
+from ..backends import BackendChoice
 from ..engine import Checked, Engine
 from ..sampling import SamplingParams
 from .model import ModelDrafter, SelfDrafter
@@ -36,7 +37,7 @@ class Drafter(Protocol):
     first_seconds: float  # the last proposal's first pass (0.0: not timed on its own)
 
     @classmethod
-    def from_bundle(cls, bundle: Bundle, backend: str, threads: int | None) -> "Drafter": ...
+    def from_bundle(cls, bundle: Bundle, backend: BackendChoice | str, threads: int | None) -> "Drafter": ...
 
     @staticmethod
     def describe(entry: DraftEntry) -> str:
@@ -68,7 +69,7 @@ class NoDraft:
     kind = "none"
 
     @classmethod
-    def from_bundle(cls, bundle: Bundle, backend: str, threads: int | None) -> None:
+    def from_bundle(cls, bundle: Bundle, backend: BackendChoice | str, threads: int | None) -> None:
         return None
 
     @staticmethod
@@ -86,7 +87,7 @@ def drafter_class(kind: str) -> type:
     return cls
 
 
-def make_drafter(bundle: Bundle, backend: str, threads: int | None = None) -> Drafter | None:
+def make_drafter(bundle: Bundle, backend: BackendChoice | str, threads: int | None = None) -> Drafter | None:
     """The drafter the bundle's manifest names, on `backend`; None for kind `none`."""
     return drafter_class(bundle.draft_kind).from_bundle(bundle, backend, threads)
 

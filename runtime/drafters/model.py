@@ -8,7 +8,7 @@ import numpy as np
 
 from specdeploy.core.manifest import Bundle, DraftEntry, ModelSpec
 
-from ..backends import make_engine
+from ..backends import BackendChoice, make_engine
 from ..engine import Checked, Engine
 from ..sampling import SamplingParams, sample, warp
 
@@ -31,7 +31,7 @@ class ModelDrafter:
         self._runs = None  # the engine's pass count when `fed` was last true (see Engine.runs)
 
     @classmethod
-    def from_bundle(cls, bundle: Bundle, backend: str, threads: int | None) -> "ModelDrafter":
+    def from_bundle(cls, bundle: Bundle, backend: BackendChoice | str, threads: int | None) -> "ModelDrafter":
         draft, target = bundle.model("draft"), bundle.model("target")
         return cls(make_engine(backend, bundle, draft, threads), static_cost_ratio(bundle, draft, target))
 

@@ -7,6 +7,7 @@ import numpy as np
 
 from specdeploy.core.manifest import Bundle, DraftEntry
 
+from ..backends import BackendChoice
 from ..engine import Checked, Engine
 from ..sampling import SamplingParams
 
@@ -28,7 +29,7 @@ class NgramDrafter:
         self.seconds = 0.0
 
     @classmethod
-    def from_bundle(cls, bundle: Bundle, backend: str, threads: int | None) -> "NgramDrafter":
+    def from_bundle(cls, bundle: Bundle, backend: BackendChoice | str, threads: int | None) -> "NgramDrafter":
         entry = bundle.draft
         return cls(entry.max_ngram or 3, entry.min_ngram or 1)
 
