@@ -380,6 +380,6 @@ def test_serve_passes_its_limits_and_grace_period_to_the_server(monkeypatch, tmp
                                     "--queue-timeout", "2.5", "--graceful-seconds", "3"])
     assert out.exit_code == 0, out.output
     assert seen["kwargs"] == {"max_body_bytes": 1000, "graceful_seconds": 3.0, "queue_timeout": 2.5,
-                              "max_prompt_chars": 500}
+                              "max_prompt_chars": 500, "device": None, "trt_ep": False}
     out = CliRunner().invoke(main, ["serve", str(tmp_path), "--graceful-seconds", "-1"])
     assert out.exit_code != 0 and "--graceful-seconds" in out.output
