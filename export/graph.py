@@ -134,6 +134,7 @@ class SpecGraph(nn.Module):
         self.inplace = inplace  # eager runs over caller-owned buffers write in place
         self.contrib_ops = False  # see use_contrib_ops
         self.fused = False
+        self.skip_norms = False  # see use_contrib_ops
         self.vocab_size = cfg.vocab_size
         # A distilled draft's head covers these tokens only (see restrict_head); None: all.
         # A buffer, so `.to(device)` moves it with the weights (a copy inside a pass would not capture).
@@ -142,17 +143,19 @@ class SpecGraph(nn.Module):
 
     def use_contrib_ops(self, positions: int, fused: bool = False) -> None:
         """Spell RoPE as ONNX Runtime's RotaryEmbedding (one node for what is otherwise about
-        seven per tensor) over cos/sin caches of `positions` rows. `fused`: also each residual
-        add with the norm after it (SkipSimplifiedLayerNormalization) and each attention with
-        its rotary embedding and KV write (GroupQueryAttention), one node each; its verify
-        rows equal single steps only up to rounding (README: exact and fused graphs). For
-        ONNX Runtime only: TensorRT's parser does not read contrib ops."""
+        seven per tensor) over cos/sin caches of `positions` rows, and each residual add with
+        the norm after it as SkipSimplifiedLayerNormalization (row by row: verify rows stay
+        bit-identical to single steps). `fused`: also each attention with its rotary
+        embedding and KV write (GroupQueryAttention), one node; its verify rows equal single
+        steps only up to rounding (README: exact and fused graphs). For ONNX Runtime only:
+        TensorRT's parser does not read contrib ops."""
         from .contrib import rope_caches
 
         cos, sin = rope_caches(self.inv_freq, self.rope_scale, positions)
         self.register_buffer("cos_cache", cos, persistent=False)
         self.register_buffer("sin_cache", sin, persistent=False)
         self.contrib_ops = True
+        self.skip_norms = True
         self.fused = fused
 
     @property
@@ -161,10 +164,10 @@ class SpecGraph(nn.Module):
 
     def _norm(self, norm: nn.Module, h: torch.Tensor, delta: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """(norm(h + delta), h + delta): a block's output joins the residual stream, then the
-        next norm reads it (one node in the fused graph)."""
+        next norm reads it (one node in ONNX Runtime's graphs)."""
         if delta is None:
             return rms_norm(norm, h), h
-        if self.fused:
+        if self.skip_norms:
             from .contrib import skip_rms_norm
 
             eps = getattr(norm, "variance_epsilon", None) or getattr(norm, "eps")
