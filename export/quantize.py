@@ -226,7 +226,7 @@ class QuantLinear(nn.Module):
         packed, scales, zp = pack(blocks)
         self.register_buffer("packed", torch.from_numpy(packed))
         self.register_buffer("scales", torch.from_numpy(scales))
-        symmetric = bool((blocks.zero == 1 << (blocks.bits - 1)).all())  # the op's default: no input, a leaner kernel
+        symmetric = bool((blocks.zero == 1 << (blocks.bits - 1)).all())  # the op's default: the input left out
         self.register_buffer("zero_points", None if symmetric else torch.from_numpy(zp))
         mins = None if blocks.mins is None else torch.from_numpy(np.ascontiguousarray(blocks.mins.T))  # [K/32, N]
         self.register_buffer("mins", mins)
