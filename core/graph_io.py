@@ -67,6 +67,23 @@ def fill_mask(out: np.ndarray, start: int, sliding_window: int | None = None) ->
     return out
 
 
+def fill_tree_mask(out: np.ndarray, start: int, visible: np.ndarray) -> np.ndarray:
+    """Write the additive mask [T, L] of a tree pass at `start` into `out`, in place: every row
+    sees slots 0..start-1 and, of the pass's own slots start..start+T-1, those `visible` [T, T]
+    marks (its ancestors and itself); every other slot is -inf.
+
+    >>> fill_tree_mask(np.empty((3, 4), np.float32), 1, np.array([[1, 0, 0], [1, 1, 0], [1, 0, 1]], bool))
+    array([[  0.,   0., -inf, -inf],
+           [  0.,   0.,   0., -inf],
+           [  0.,   0., -inf,   0.]], dtype=float32)
+    """
+    t = out.shape[0]
+    out.fill(-np.inf)
+    out[:, :start] = 0
+    out[:, start : start + t][visible] = 0
+    return out
+
+
 def attention_mask(start: int, t: int, sliding_window: int | None = None, window: int | None = None) -> np.ndarray:
     """Additive mask [1, 1, T, L] with L = `window` (default start + T): row i sees slots
     0..start+i.

@@ -26,9 +26,16 @@ class Engine(Protocol):
     runs: int  # passes begun, counted before each one runs: the prompt cache and a model
     # drafter trust what the KV buffers hold only while this is unchanged since they wrote it
     chains: bool  # offers draft_chain / verify_chain / chain_seconds (below)
+    trees: bool  # verifies token trees: forward(..., tree=) and move_kv (below)
 
     def forward(self, token_ids: np.ndarray, start: int) -> np.ndarray:
         """token_ids [T] int64 at positions start..start+T-1 -> logits [T, V] float32."""
+        ...
+
+    # -- only where `trees` is True --------------------------------------------------------
+    # forward(token_ids, start, tree=TreeLayout): a tree pass (runtime/tree.py)
+    def move_kv(self, source: np.ndarray, start: int) -> None:
+        """Copy the K/V at slots `source` [m] to slots start..start+m-1, in place."""
         ...
 
     def fork(self) -> "Engine":

@@ -15,9 +15,10 @@ from specdeploy.core.errors import BundleError
 
 from .drafters import Drafter
 from .engine import Checked, Engine
-from .policy import DraftLength
-from .sampling import SamplingParams, accept_greedy, verify_sampled, warp
+from .policy import DraftLength, TreeSize
+from .sampling import SamplingParams, accept_greedy, sample, verify_sampled, warp
 from .stats import Stats
+from .tree import DraftTree, accept_tree
 
 
 def prefill(target: Engine, ids: np.ndarray, chunk: int, start: int = 0) -> None:
@@ -84,6 +85,43 @@ def speculative_round(
     return np.append(checked.draft_tokens[:n_accepted], next_token)
 
 
+def tree_round(
+    target: Engine, drafter, ids: np.ndarray, sizes: TreeSize, max_depth: int, params: SamplingParams,
+    rng: np.random.Generator, stats: Stats,
+) -> np.ndarray:
+    """One tree round: the drafter's candidate tree, cut to the size the policy chooses, judged
+    by the target in one pass; the accepted path's K/V move to the slots a chain would have
+    written them to. Returns the tokens it commits (the path and the target's own token)."""
+    n = ids.shape[0]
+    seconds = drafter.seconds
+    room = min(sizes.max_nodes, target.max_seq - n)  # node i is written at slot n + i
+    candidates = drafter.propose_tree(ids, room, max_depth) if max_depth > 0 and room > 0 else EMPTY_TREE
+    lookup = drafter.seconds - seconds
+    tree = candidates.prune(sizes.choose(candidates.probs, candidates.size))
+    t0 = time.perf_counter()
+    if tree.size:
+        logits = target.forward(np.concatenate([ids[-1:], tree.tokens]), n - 1, tree=tree.layout())
+    else:
+        logits = target.forward(ids[-1:], n - 1)
+    verify = time.perf_counter() - t0
+    check_finite(target, logits, n - 1)
+    if params.greedy:
+        path, token = accept_tree(tree, lambda row: logits[row].argmax())
+    else:
+        path, token = accept_tree(tree, lambda row: sample(warp(logits[row], params), rng))
+    if path != list(range(len(path))):  # off the main chain: move the path's K/V into place
+        target.move_kv(n + np.asarray(path, dtype=np.int64), n)
+    stats.verify_seconds += verify
+    stats.target_passes += 1
+    stats.record_tree(tree.size, len(path))
+    predicted = float(tree.probs.sum()) if tree.probs is not None and tree.size else 0.0
+    sizes.update(tree.size, predicted, len(path), verify, lookup)
+    return np.append(tree.tokens[path], token)
+
+
+EMPTY_TREE = DraftTree(np.empty(0, dtype=np.int64), np.empty(0, dtype=np.int64), np.empty(0))
+
+
 def check_finite(target: Engine, target_logits: np.ndarray, start: int) -> None:
     """Stop on logits that are NaN or +inf (or a row that is all -inf): altered weights or a
     broken graph, which would otherwise decode as token 0 over and over."""
@@ -117,8 +155,12 @@ def decode(
     params: SamplingParams,
     stats: Stats,
     cache: PromptCache | None = None,
+    tree: TreeSize | None = None,
 ):
     """Yield the committed tokens of each round until EOS or max_new_tokens.
+
+    With `tree` (a drafter that proposes trees, a target that verifies them) each round is a
+    tree round of depth up to the draft length's maximum; else a chain round of k drafts.
 
     The caller has checked that prompt + max_new_tokens fits the bundle's max sequence.
     Host synchronisation: each engine pass returns its logits to the host once, so a round
@@ -143,18 +185,35 @@ def decode(
         cache.hold(target, ids, n - 1)
     stats.prefill_seconds = time.perf_counter() - t_start
     eos = np.asarray(eos_token_ids, dtype=np.int64)
+    if drafter is None:
+        passes0 = seconds0 = 0
+    try:
+        yield from _rounds(target, drafter, ids, n, max_new_tokens, draft_len, eos, params, rng, stats, cache, tree,
+                           t_start, passes0, seconds0)
+    finally:
+        if drafter is not None and hasattr(drafter, "remember"):
+            drafter.remember(ids[: n + stats.new_tokens])  # what the request said, for later ones
+
+
+def _rounds(target, drafter, ids, n, max_new_tokens, draft_len, eos, params, rng, stats, cache, tree, t_start,
+            passes0, seconds0):
     produced = 0
     stats.finish_reason = "length"
     while produced < max_new_tokens:
-        # Never draft past the tokens still wanted: they would be thrown away.
-        k = min(draft_len.choose(), max_new_tokens - produced - 1) if drafter is not None else 0
-        draft_before, verify_before = (drafter.seconds if drafter else 0.0), stats.verify_seconds
-        passes_before = drafter.passes if drafter else 0
-        new = speculative_round(target, drafter, ids[:n], k, params, rng, stats, draft_len.min_confidence)
-        if drafter is not None:
-            draft_len.update(stats.last_proposed, stats.last_accepted, drafter.seconds - draft_before,
-                             stats.verify_seconds - verify_before, drafter.caught_up, drafter.passes - passes_before,
-                             drafter.first_seconds)
+        if tree is not None:  # never past the tokens still wanted: they would be thrown away
+            new = tree_round(target, drafter, ids[:n], tree, min(draft_len.max_k, max_new_tokens - produced - 1),
+                             params, rng, stats)
+            k = None
+        else:
+            k = min(draft_len.choose(), max_new_tokens - produced - 1) if drafter is not None else 0
+        if k is not None:
+            draft_before, verify_before = (drafter.seconds if drafter else 0.0), stats.verify_seconds
+            passes_before = drafter.passes if drafter else 0
+            new = speculative_round(target, drafter, ids[:n], k, params, rng, stats, draft_len.min_confidence)
+            if drafter is not None:
+                draft_len.update(stats.last_proposed, stats.last_accepted, drafter.seconds - draft_before,
+                                 stats.verify_seconds - verify_before, drafter.caught_up,
+                                 drafter.passes - passes_before, drafter.first_seconds)
         stop = np.flatnonzero(np.isin(new, eos))
         if stop.size:
             new = new[: stop[0] + 1]

@@ -1,6 +1,8 @@
 """The draft-length policy: how many tokens to draft each round."""
 from __future__ import annotations
 
+import numpy as np
+
 from specdeploy.core.analytic import predicted_speedup
 
 
@@ -117,4 +119,83 @@ class DraftLength:
                 self.cost_ratio = d * self.cost_ratio + (1 - d) * (draft_seconds / passes) / t1
         if self._verify_t1:
             slope = max(0.0, (verify_seconds / t1 - 1) / proposed)
+            self.verify_slope = d * self.verify_slope + (1 - d) * slope
+
+
+class TreeSize:
+    """How many tree nodes to verify each round: pinned (`fixed`), or `auto` from the measured
+    cost of a verify pass and the drafter's own estimates, calibrated by what was accepted.
+
+    A tree of N nodes commits 1 + (the accepted path's length) tokens; a drafter that scores its
+    nodes (`DraftTree.probs`: the chance the target reaches each) predicts that length as the
+    sum of the kept nodes' scores, and `calibration` (accepted over predicted, decayed) corrects
+    it. A pass of T = N + 1 tokens costs 1 + slope * N times a single step (slope measured as
+    DraftLength measures it), plus the lookup. auto keeps the N most probable nodes that give
+    the most tokens per unit of time; none (a plain step) unless that beats plain by PAYS, with
+    a probe of one node every few rounds. Where wide passes are dear (int4 on a CPU) the tree
+    shrinks to a chain or to nothing; where they are cheap it grows.
+    """
+
+    PAYS = DraftLength.PAYS
+
+    def __init__(self, max_nodes: int, fixed: int | None = None, decay: float = 0.8, measure: bool = True):
+        self.max_nodes = max_nodes
+        self.fixed = fixed
+        self.decay = decay
+        self.measure = measure  # as DraftLength: under sampling the size never depends on timings
+        self.predicted = 1.0  # pseudo-counts: take the drafter's estimates at face value at first
+        self.accepted = 1.0
+        self.verify_slope = 0.05
+        self.lookup_cost = 0.0  # the drafter's time per round, relative to a T = 1 pass
+        self._verify_t1: float | None = None
+        self.probe_every = 8
+        self._rounds = 0
+
+    def carry_from(self, earlier: "TreeSize | None") -> "TreeSize":
+        """Start from an earlier greedy generation's measurements (see DraftLength.carry_from)."""
+        if earlier is not None and self.measure and earlier.measure and self.fixed is None:
+            self.predicted, self.accepted = earlier.predicted, earlier.accepted
+            self.verify_slope, self.lookup_cost = earlier.verify_slope, earlier.lookup_cost
+            self._verify_t1 = earlier._verify_t1
+        return self
+
+    @property
+    def calibration(self) -> float:
+        return self.accepted / self.predicted
+
+    def choose(self, probs: np.ndarray | None, size: int) -> int:
+        """The number of nodes to verify of a candidate tree of `size` nodes scored `probs`."""
+        if self.fixed is not None:
+            return min(self.fixed, size)
+        self._rounds += 1
+        if self.measure and self._verify_t1 is None and self._rounds == 2:
+            return 0  # one plain step: the T = 1 reference (see DraftLength)
+        if size == 0:
+            return 0
+        n = min(size, self.max_nodes)
+        p = np.sort(probs)[::-1][:n] if probs is not None else np.full(n, 0.5)
+        tokens = 1.0 + self.calibration * np.cumsum(p)  # N = 1..n
+        cost = 1.0 + self.lookup_cost + self.verify_slope * np.arange(1, n + 1)
+        rates = tokens / cost
+        best = int(rates.argmax())
+        if rates[best] < self.PAYS:
+            return 1 if self._rounds % self.probe_every == 0 else 0
+        return best + 1
+
+    def update(self, nodes: int, predicted: float, accepted: int, verify_seconds: float, lookup_seconds: float) -> None:
+        """After each round: the nodes verified (0: a plain step at T = 1), the drafter's
+        prediction for them, the accepted path's length, the pass's and the lookup's seconds."""
+        d = self.decay
+        if nodes:
+            self.predicted = d * self.predicted + predicted
+            self.accepted = d * self.accepted + accepted
+        if verify_seconds <= 0 or not self.measure:
+            return
+        if nodes == 0:
+            t1 = self._verify_t1
+            self._verify_t1 = verify_seconds if t1 is None else d * t1 + (1 - d) * verify_seconds
+        t1 = self._verify_t1 or verify_seconds / (1 + self.verify_slope * nodes)
+        self.lookup_cost = d * self.lookup_cost + (1 - d) * lookup_seconds / t1
+        if nodes and self._verify_t1:
+            slope = max(0.0, (verify_seconds / t1 - 1) / nodes)
             self.verify_slope = d * self.verify_slope + (1 - d) * slope

@@ -14,7 +14,7 @@ from specdeploy.core.manifest import Bundle, load_bundle
 from .backends import BackendChoice, Device, make_engine
 from .drafters import make_drafter
 from .loop import PromptCache, decode
-from .policy import DraftLength
+from .policy import DraftLength, TreeSize
 from .stats import Stats
 from .sampling import SamplingParams
 from .stops import StopMatcher
@@ -148,6 +148,7 @@ class Session:
         self.drafter = make_drafter(b, choice, threads)  # the drafters pass the choice on to make_engine
         self.eos_token_ids = self.tokenizer.eos_token_ids
         self._auto: DraftLength | None = None  # the last greedy `auto` policy: the next one starts from it
+        self._auto_tree: TreeSize | None = None
         self._busy = threading.Lock()
 
     def fork(self) -> "Session":
@@ -159,6 +160,7 @@ class Session:
         twin.drafter = self.drafter.fork() if self.drafter is not None else None
         twin.eos_token_ids = list(self.eos_token_ids)
         twin._auto = None
+        twin._auto_tree = None
         twin._busy = threading.Lock()
         return twin
 
@@ -214,10 +216,17 @@ class Session:
         top_p: float = 1.0,
         seed: int | None = None,
         stop: list[str] | tuple[str, ...] = (),
+        tree_nodes: int | str | None = "auto",
+        private: bool = False,
     ) -> Generation:
         """Start a generation; iterate the result for text pieces (valid UTF-8 each).
 
         draft_len: an int pins k; "auto" (or None) lets the runtime choose each round.
+        tree_nodes: with a drafter that proposes token trees and a target that verifies them,
+        "auto" (with draft_len auto) chooses the tree each round, an int N >= 2 verifies trees
+        of up to N nodes (depth up to draft_len), 1 keeps chains.
+        private: the drafter draws only on this request's own text, and keeps none of it for
+        later requests (a shared suffix index).
         temperature 0 is greedy; with a seed, sampling replays exactly.
         """
         if (prompt is None) == (prompt_ids is None):
@@ -235,14 +244,21 @@ class Session:
             lengths = DraftLength(self.bundle.max_draft, fixed=k)
         drafter = self.drafter if speculate and k > 0 else None
         self.check_request(ids, max_new_tokens, k)
+        tree = self._tree_policy(tree_nodes, draft_len, drafter, params) if drafter is not None else None
+        if tree is not None:
+            lengths = DraftLength(k, fixed=k)  # the tree's depth
         if not self._busy.acquire(blocking=False):
             raise InputError("this session is already generating; use one session per request (see SessionPool)")
+        if hasattr(drafter, "private"):
+            drafter.private = bool(private)
         if speculate and lengths.measure and lengths.fixed is None:
             self._auto = lengths  # updated as this generation runs; the next starts from it
+        if tree is not None and tree.measure and tree.fixed is None:
+            self._auto_tree = tree
         stats = Stats()
         rounds = decode(
             self.target, drafter, ids, max_new_tokens, lengths, self.eos_token_ids, self.bundle.prefill_chunk, params, stats,
-            self.cache,
+            self.cache, tree,
         )
         stops = StopMatcher(list(stop))
 
@@ -265,6 +281,31 @@ class Session:
 
         return Generation(pieces(), stats, on_end=self._busy.release)
 
+    def tree_capable(self) -> bool:
+        """Whether this bundle runs tree rounds: a drafter that proposes trees, a target graph
+        that verifies them (see runtime/backends/ort.py tree_capable)."""
+        return self.drafter is not None and hasattr(self.drafter, "propose_tree") and getattr(self.target, "trees", False)
+
+    def _tree_policy(self, tree_nodes, draft_len, drafter, params: SamplingParams) -> TreeSize | None:
+        """The tree policy of a request, or None for chain rounds."""
+        auto = tree_nodes in (None, "auto")
+        n = None if auto else _as_int(tree_nodes, "tree nodes")
+        if n is not None and not 1 <= n <= MAX_TREE_NODES:
+            raise InputError(f"tree nodes {n} is outside [1, {MAX_TREE_NODES}] (1: chains)")
+        if n == 1 or (auto and draft_len not in (None, "auto")):
+            return None
+        if not self.tree_capable():
+            if auto:
+                return None
+            raise InputError(
+                f"tree nodes {n}: this bundle cannot verify token trees (its draft kind is {self.bundle.draft_kind!r}: "
+                "trees need --draft suffix; its target graph must be an exact-attention float graph on the ort "
+                "backend's CPU): use --tree-nodes 1 or auto"
+            )
+        if auto:
+            return TreeSize(MAX_TREE_NODES, measure=params.greedy).carry_from(self._auto_tree)
+        return TreeSize(n, fixed=n)
+
     def generate(self, prompt: str | None = None, **kwargs) -> Result:
         return self.collect(self.stream(prompt, **kwargs))
 
@@ -275,6 +316,9 @@ class Session:
             texts.append(piece.text)
             ids += piece.token_ids
         return Result("".join(texts), ids, gen.stats)
+
+
+MAX_TREE_NODES = 32  # the most nodes a tree round verifies (a pass of 33 tokens)
 
 
 def _as_ids(values) -> np.ndarray:

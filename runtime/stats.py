@@ -25,6 +25,8 @@ class Stats:
     draft_len_history: list[int] = field(default_factory=list)  # k chosen each round
     last_proposed: int = 0
     last_accepted: int = 0
+    tree_sizes: list[int] = field(default_factory=list)  # nodes verified each tree round (0: a plain step)
+    path_lengths: list[int] = field(default_factory=list)  # the accepted path's length each tree round
 
     @property
     def acceptance_rate(self) -> float:
@@ -60,6 +62,13 @@ class Stats:
         self.drafted += proposed
         self.accepted += accepted
 
+    def record_tree(self, nodes: int, path: int) -> None:
+        self.tree_sizes.append(nodes)
+        self.path_lengths.append(path)
+        self.last_proposed, self.last_accepted = nodes, path
+        self.drafted += nodes
+        self.accepted += path
+
     def as_dict(self) -> dict:
         host = self.seconds - self.prefill_seconds - self.draft_seconds - self.verify_seconds
         return {
@@ -85,5 +94,12 @@ class Stats:
             "host_seconds": round(max(host, 0.0), 4),
             "finish_reason": self.finish_reason,
             "draft_len_history": self.draft_len_history,
-            "draft_len_histogram": {str(k): self.draft_len_history.count(k) for k in sorted(set(self.draft_len_history))},
+            "draft_len_histogram": _histogram(self.draft_len_history),
+            "tree_rounds": len(self.tree_sizes),
+            "tree_size_histogram": _histogram(self.tree_sizes),
+            "accepted_path_histogram": _histogram(self.path_lengths),
         }
+
+
+def _histogram(values: list[int]) -> dict[str, int]:
+    return {str(k): values.count(k) for k in sorted(set(values))}

@@ -30,8 +30,9 @@ import numpy as np
 import onnxruntime as ort
 
 from specdeploy.core.errors import BundleError, InputError
-from specdeploy.core.graph_io import check_pass, fill_mask, io_names, window_length
+from specdeploy.core.graph_io import check_pass, fill_mask, fill_tree_mask, io_names, window_length
 from specdeploy.core.manifest import ModelSpec
+from specdeploy.runtime.tree import TreeLayout
 
 from . import devices
 from .devices import Device, DeviceError
@@ -269,13 +270,21 @@ class _Stage:
         self.value = _allocate(self.host.shape, np.uint8, device)
         self.logits = _allocate((1, t, vocab_size), np.float32, device)  # [1, T, V]
 
-    def stage(self, token_ids: np.ndarray, start: int, window: int, sliding_window: int | None) -> None:
-        """Write a pass's inputs and send them up: on a GPU, the pass's one host-to-device copy."""
+    def stage(self, token_ids: np.ndarray, start: int, window: int, sliding_window: int | None,
+              tree: "TreeLayout | None" = None) -> None:
+        """Write a pass's inputs and send them up: on a GPU, the pass's one host-to-device copy.
+        A tree pass (`tree`) sets each token's position to start + its depth and its mask row
+        to the context and its ancestors."""
         v, t = self.host_views, self.t
         v["input_ids"][:] = token_ids
-        v["position_ids"][:] = np.arange(start, start + t)
         v["write_indices"][0] = start
-        fill_mask(v["attention_mask"][: t * window].reshape(t, window), start, sliding_window)
+        mask = v["attention_mask"][: t * window].reshape(t, window)
+        if tree is None:
+            v["position_ids"][:] = np.arange(start, start + t)
+            fill_mask(mask, start, sliding_window)
+        else:
+            v["position_ids"][:] = start + tree.offsets
+            fill_tree_mask(mask, start, tree.visible)
         self.value.update_inplace(self.host)
 
     def bind(self, binding: ort.IOBinding) -> None:
@@ -335,6 +344,7 @@ class OrtEngine:
         self._graphs: dict[tuple[int, int], tuple[ort.IOBinding, ort.RunOptions]] = {}  # (T, L) -> captured graph
         self.captured_runs = 0
         self.uncaptured_runs = 0
+        self.trees = tree_capable(spec, placement)
 
     @classmethod
     def from_bundle(cls, bundle, spec: ModelSpec, threads: int | None = None, device: "str | Device | None" = None,
@@ -370,8 +380,10 @@ class OrtEngine:
         """The (T, L) pass shapes captured so far, in the order of their graph ids (1, 2, ...)."""
         return list(self._graphs)
 
-    def forward(self, token_ids: np.ndarray, start: int) -> np.ndarray:
-        """token_ids [T] at positions start..start+T-1 -> logits [T, V].
+    def forward(self, token_ids: np.ndarray, start: int, tree: "TreeLayout | None" = None) -> np.ndarray:
+        """token_ids [T] at positions start..start+T-1 -> logits [T, V]; with `tree` (engines
+        whose `trees` is True), a tree pass: the tokens written at slots start..start+T-1, each
+        at position start + its depth, seeing the context and its ancestors.
 
         The returned array is this engine's buffer for T (on a GPU, its host copy): valid until
         the next pass of the same T.
@@ -385,7 +397,7 @@ class OrtEngine:
         stage = self._stages.get(t)
         if stage is None:  # allocated once per T, on the first pass of that length
             stage = self._stages[t] = _Stage(t, self.max_seq, self.vocab_size, self.placement.device)
-        stage.stage(token_ids, start, window, self.spec.sliding_window)
+        stage.stage(token_ids, start, window, self.spec.sliding_window, tree)
         binding, run_options = self._graph(stage, window) if captured else self._rebind(stage, window)
         binding.synchronize_inputs()  # update_inplace copied from pageable memory: the device has it before the run
         if run_options is None:  # a session that captures nothing
@@ -393,6 +405,14 @@ class OrtEngine:
         else:
             self.session.run_with_iobinding(binding, run_options)
         return stage.logits.numpy()[0]  # on a GPU the pass's one device-to-host copy; on the CPU a view
+
+    def move_kv(self, source: np.ndarray, start: int) -> None:
+        """Copy the K/V at slots `source` [m] to slots start..start+m-1 in every buffer (a tree
+        round's accepted path into the slots a chain would have used). Sources are read before
+        anything is written, so the two ranges may overlap."""
+        for buffer in self.kv_arrays:
+            slots = buffer[0]  # [Hkv, S, D]
+            slots[:, start : start + source.shape[0]] = slots[:, source]
 
     # -- bindings --------------------------------------------------------------------------
     def _kv_binding(self) -> ort.IOBinding:
@@ -424,6 +444,19 @@ class OrtEngine:
             stage.bind_mask(binding, window)
             self._graphs[key] = (binding, _run_options(len(self._graphs) + 1))
         return self._graphs[key]
+
+
+def tree_capable(spec: ModelSpec, placement: Placement) -> bool:
+    """Whether this graph verifies token trees (`forward(..., tree=)`, `move_kv`).
+
+    Not a fused graph: GroupQueryAttention takes neither positions nor a mask (it derives both
+    from the write index). Not a sliding window. Not an int graph: MatMulNBits quantizes its
+    activations to int8 blocks, and a tree row attends over the same values as a single step
+    but at other slots, so its sums round differently (fp32: within 3e-5 of the step's logits);
+    through int8 activations that becomes up to 1.5 (SmolLM2 int4, measured), enough to change
+    greedy tokens. Not a GPU yet: `move_kv` copies on the host."""
+    return (spec.attention != "fused" and spec.sliding_window is None and spec.dtype in ("fp32", "fp16")
+            and placement.device.kind == "cpu")
 
 
 def _run_options(graph_id: int) -> ort.RunOptions:

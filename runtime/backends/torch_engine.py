@@ -122,6 +122,7 @@ class TorchEngine:
         self._options = dict(capture=capture, buckets=buckets, capture_max_t=capture_max_t, min_window=min_window,
                              warmup=warmup)
         self.chains = True  # draft_chain / verify_chain: a round with one host synchronisation
+        self.trees = False  # tree passes: the ort backend's (its mask is built here from the write position)
         self.spec = spec
         self.name = f"{spec.role} (torch)"
         self.max_seq = max_seq

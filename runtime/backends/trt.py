@@ -235,6 +235,8 @@ class TrtEngine:
         return out
 
     # -- a greedy round with one host synchronisation ------------------------------------------
+    trees = False  # the plan's profiles and the argmax output are built for chains
+
     @property
     def chains(self) -> bool:
         """Only an engine built with the argmax output chains a greedy round on the device; an
