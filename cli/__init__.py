@@ -45,7 +45,9 @@ def main():
 
 @main.command("export")
 @click.option("--target", required=True, help="Hugging Face model folder or .gguf file ('smollm2': the embedded default).")
-@click.option("--draft", default="ngram", show_default=True, help="PATH (a model sharing the target's tokenizer), self:layers=N, ngram, or none.")
+@click.option("--draft", default="ngram", show_default=True,
+              help="PATH (a model sharing the target's tokenizer), self:layers=N[,dtype=D], ngram, suffix (a suffix "
+                   "index over the request and earlier ones, proposing token trees), or none.")
 @click.option("--out", required=True, type=click.Path(path_type=Path), help="Bundle folder to write.")
 @click.option("--max-seq", default=1024, show_default=True, help="KV buffer length: prompt + new tokens must fit.")
 @click.option("--max-draft", default=8, show_default=True, help="Largest draft length a verify pass may carry.")
@@ -117,6 +119,8 @@ def _parse_ids(text: str) -> list[int]:
 @click.option("--chat", is_flag=True, help="Wrap the prompt in the bundle's chat template as a user message.")
 @click.option("--max-new-tokens", default=128, show_default=True)
 @click.option("--draft-len", default="auto", show_default=True, help="Draft tokens per round: K (pinned) or auto.")
+@click.option("--tree-nodes", default="auto", show_default=True,
+              help="Token-tree nodes verified per round (bundles with --draft suffix): N (up to N; 1: chains) or auto.")
 @click.option("--no-speculate", is_flag=True, help="Plain decoding with the target alone.")
 @click.option("--temperature", default=0.0, show_default=True, help="0 is greedy.")
 @click.option("--top-k", default=0, show_default=True, help="Keep the K most likely tokens (0: off).")
@@ -127,8 +131,8 @@ def _parse_ids(text: str) -> list[int]:
 @click.option("--threads", type=int, help="ONNX Runtime intra-op threads (default: all cores).")
 @click.option("--backend", type=click.Choice(["ort", "torch", "trt"]), default="ort", show_default=True)
 @_device_options
-def generate(bundle, prompt, prompt_ids, chat, max_new_tokens, draft_len, no_speculate, temperature, top_k, top_p,
-             seed, stop, as_json, threads, backend, device, trt_ep):
+def generate(bundle, prompt, prompt_ids, chat, max_new_tokens, draft_len, tree_nodes, no_speculate, temperature, top_k,
+             top_p, seed, stop, as_json, threads, backend, device, trt_ep):
     """Generate from BUNDLE, streaming the text."""
     from specdeploy.runtime.session import Session
 
@@ -136,7 +140,7 @@ def generate(bundle, prompt, prompt_ids, chat, max_new_tokens, draft_len, no_spe
         raise InputError("give exactly one of --prompt or --prompt-ids")
     session = Session(bundle, threads=threads, backend=backend, device=device, trt_ep=trt_ep)
     kwargs = dict(max_new_tokens=max_new_tokens, draft_len=draft_len, speculate=not no_speculate, chat=chat,
-                  temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, stop=stop)
+                  temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, stop=stop, tree_nodes=tree_nodes)
     if prompt_ids is not None:
         kwargs["prompt_ids"] = _parse_ids(prompt_ids)
     gen = session.stream(prompt, **kwargs)

@@ -25,7 +25,7 @@ from .errors import BundleError
 FORMAT = "specdeploy-bundle"
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
-DRAFT_KINDS = ("model", "self", "ngram", "none")
+DRAFT_KINDS = ("model", "self", "ngram", "suffix", "none")
 
 
 def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
@@ -186,7 +186,7 @@ class DraftEntry:
     dtype: str | None = None  # self: the draft's weights when not the target's (a quantized self-draft)
     source: str | None = None  # model: the draft as given at export
     distilled: dict | None = None  # model: how `specdeploy distill` made it
-    max_ngram: int | None = None  # ngram: the longest and shortest n-grams looked up
+    max_ngram: int | None = None  # ngram, suffix: the longest and shortest n-grams looked up
     min_ngram: int | None = None
 
     @classmethod

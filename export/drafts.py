@@ -80,6 +80,21 @@ class NgramDraft(NoDraft):
 
 
 @dataclass
+class SuffixDraft(NoDraft):
+    """A suffix index over the request's own text and earlier requests' (runtime/drafters/
+    suffix.py): it proposes token trees of the continuations that followed most often."""
+
+    kind = "suffix"
+
+    @classmethod
+    def parse(cls, text: str) -> "SuffixDraft | None":
+        return cls() if text == "suffix" else None
+
+    def entry(self) -> DraftEntry:
+        return DraftEntry("suffix", max_ngram=8, min_ngram=2)
+
+
+@dataclass
 class SelfDraft:
     """The target drafting for itself: its first N layers with its own norm and head
     (`self:layers=N`), at a lower precision (`self:dtype=int4`: the quantized self-draft,
@@ -159,11 +174,11 @@ class ModelDraft:
         return DraftEntry("model", source=str(self.path.resolve()), distilled=record)
 
 
-RECIPES: tuple[type, ...] = (NoDraft, NgramDraft, SelfDraft, ModelDraft)  # asked in order; a path last
+RECIPES: tuple[type, ...] = (NoDraft, NgramDraft, SuffixDraft, SelfDraft, ModelDraft)  # asked in order; a path last
 
 
 def parse_draft(text: str | None) -> DraftRecipe:
-    """`PATH`, `self:layers=N`, `ngram` or `none` (None: none)."""
+    """`PATH`, `self:layers=N`, `ngram`, `suffix` or `none` (None: none)."""
     for recipe in RECIPES:
         found = recipe.parse("none" if text is None else text)
         if found is not None:

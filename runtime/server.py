@@ -36,6 +36,7 @@ from starlette.routing import Route
 
 from specdeploy.core.errors import InputError, SpecdeployError
 from .pool import Cancelled, Overloaded, QueueTimeout, SessionPool
+from .session import MAX_TREE_NODES
 from .tokenizer import check_text
 
 log = logging.getLogger("specdeploy.server")
@@ -179,6 +180,13 @@ def parse_request(
     if isinstance(req["draft_len"], int) and max_draft is not None and not 0 <= req["draft_len"] <= max_draft:
         shown = str(req["draft_len"])[:24]
         raise BadRequest(f"'draft_len' {shown} is outside [0, {max_draft}] (the bundle's max draft)", "draft_len")
+    req["tree_nodes"] = _field(body, "tree_nodes", (int, str), "auto", "an integer or 'auto'")
+    if isinstance(req["tree_nodes"], str) and req["tree_nodes"] != "auto":
+        raise BadRequest("'tree_nodes' must be an integer or 'auto'", "tree_nodes")
+    if isinstance(req["tree_nodes"], int) and not 1 <= req["tree_nodes"] <= MAX_TREE_NODES:
+        shown = str(req["tree_nodes"])[:24]
+        raise BadRequest(f"'tree_nodes' {shown} is outside [1, {MAX_TREE_NODES}] (1: chains)", "tree_nodes")
+    req["private"] = _field(body, "private", (bool,), False, "a boolean")
     req["stream"] = _field(body, "stream", (bool,), False, "a boolean")
     if _field(body, "n", (int,), 1, "an integer") != 1:
         raise BadRequest("only 'n' = 1 is supported", "n")
@@ -227,6 +235,10 @@ class Metrics:
         self.acceptance = Gauge("specdeploy_acceptance_rate", "Accepted / drafted tokens since start", registry=r)
         self.draft_len = Histogram("specdeploy_draft_length", "Draft length chosen per round",
                                    buckets=(0, 1, 2, 3, 4, 6, 8, 12, 16), registry=r)
+        self.tree_nodes = Histogram("specdeploy_tree_nodes", "Token-tree nodes verified per tree round (0: a plain step)",
+                                    buckets=(0, 1, 2, 4, 8, 12, 16, 24, 32), registry=r)
+        self.path_length = Histogram("specdeploy_accepted_path_length", "Accepted path length per tree round",
+                                     buckets=(0, 1, 2, 3, 4, 6, 8), registry=r)
         self.latency = Histogram("specdeploy_request_seconds", "Whole request latency", registry=r,
                                  buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120))
         self.ttft = Histogram("specdeploy_time_to_first_token_seconds", "Time to first token", registry=r,
@@ -247,6 +259,9 @@ class Metrics:
                 self.acceptance.set(self._accepted / self._drafted)
         for k in stats.draft_len_history:
             self.draft_len.observe(k)
+        for nodes, path in zip(stats.tree_sizes, stats.path_lengths):
+            self.tree_nodes.observe(nodes)
+            self.path_length.observe(path)
         self.latency.observe(seconds)
         if stats.new_tokens:
             self.ttft.observe(stats.first_token_seconds)

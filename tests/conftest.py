@@ -36,6 +36,7 @@ BUNDLES = {
     "llama-model": ("llama", "llama_draft"),
     "llama-self": ("llama", "self:layers=1"),
     "llama-ngram": ("llama", "ngram"),
+    "llama-suffix": ("llama", "suffix"),
     "llama-same": ("llama", "llama"),  # the target as its own draft: every draft token accepted
     "qwen2-self": ("qwen2", "self:layers=1"),
     "mistral-model": ("mistral", "mistral_draft"),

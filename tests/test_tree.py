@@ -289,3 +289,62 @@ def test_the_distribution_test_catches_a_tree_sampler_that_follows_the_first_chi
     counts = sampled_pairs(session, prompt, params, SAMPLES)
     pvalue, _ = chi_square_pvalue(exact, counts, SAMPLES)
     assert pvalue < ALPHA, f"the broken sampler passed: p = {pvalue:.2e}"
+
+
+# -- the suffix drafter end to end -----------------------------------------------------------------
+
+def test_suffix_bundle_is_lossless_and_learns_from_earlier_requests(bundles, llama):
+    """A `--draft suffix` bundle: greedy tree rounds equal plain decoding on every prompt; the
+    second time round, the shared index holds the first round's answers and proposes them
+    (far more tokens per pass); a private request draws on none of it."""
+    _, answers = llama
+    session = Session(bundles("llama-suffix"), prompt_cache=False)
+    assert session.bundle.draft_kind == "suffix" and session.tree_capable()
+    passes = {"first": 0, "again": 0, "private": 0}
+    tokens = dict.fromkeys(passes, 0)
+    for turn in passes:
+        for ids, answer in answers.items():
+            result = session.generate(prompt_ids=list(ids), max_new_tokens=NEW_TOKENS, private=turn == "private")
+            assert result.token_ids == answer[: len(result.token_ids)], (turn, ids)
+            assert result.stats.tree_sizes
+            passes[turn] += result.stats.target_passes
+            tokens[turn] += result.stats.new_tokens
+    per_pass = {turn: tokens[turn] / passes[turn] for turn in passes}
+    assert per_pass["again"] > 2 * per_pass["first"], per_pass
+    assert per_pass["private"] < per_pass["again"] / 2, per_pass
+    index = session.drafter.index
+    held = index.tokens
+    session.generate(prompt_ids=list(next(iter(answers))), max_new_tokens=8, private=True)
+    assert index.tokens == held  # a private request left nothing behind
+
+
+def test_pool_workers_share_one_suffix_index(bundles):
+    from specdeploy.runtime.pool import SessionPool
+
+    pool = SessionPool(bundles("llama-suffix"), workers=2)
+    drafters = [s.drafter for s in pool.sessions]
+    assert len(drafters) == 2 and drafters[0] is not drafters[1]
+    assert drafters[0].index is drafters[1].index
+    pool.generate(PROMPTS[0], max_new_tokens=8)
+    assert drafters[0].index.tokens > 0
+
+
+def test_server_takes_tree_settings_and_reports_trees(bundles):
+    import httpx
+
+    from loopback import Server
+    from specdeploy.runtime.pool import SessionPool
+
+    with Server(SessionPool(bundles("llama-suffix"), workers=1)) as s:
+        for body in ({"prompt": PROMPTS[0], "max_tokens": 16, "temperature": 0, "tree_nodes": 4, "private": True},
+                     {"prompt": PROMPTS[0], "max_tokens": 16, "temperature": 0}):
+            r = httpx.post(s.url + "/v1/completions", json=body)
+            assert r.status_code == 200, r.text
+            assert r.json()["specdeploy"]["tree_rounds"] > 0
+        for bad, message in (({"tree_nodes": 0}, "outside [1, 32]"), ({"tree_nodes": "many"}, "integer or 'auto'"),
+                             ({"private": "yes"}, "a boolean")):
+            r = httpx.post(s.url + "/v1/completions", json={"prompt": "The", "max_tokens": 4, **bad})
+            assert r.status_code == 400 and message in r.json()["error"]["message"], r.text
+        text = httpx.get(s.url + "/metrics").text
+        assert "specdeploy_tree_nodes_bucket" in text and "specdeploy_accepted_path_length_bucket" in text
+        assert 'specdeploy_tree_nodes_count 0.0' not in text

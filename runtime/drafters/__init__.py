@@ -10,6 +10,9 @@ adding a kind is adding a class and a line. The protocol (`Drafter`):
   verifier needs as `draft_probs`.
 - `fused_with(target)`: whether `propose_and_verify` can run the whole round on the device
   with one host synchronisation; it then returns the round's `Checked`.
+- optional, a drafter that proposes token trees (runtime/tree.py): `propose_tree(ids, budget,
+  max_depth) -> DraftTree`; `remember(ids)` when a generation ends (what it said, for later
+  requests); `private`, set per request (draw only on the request's own text, keep none of it).
 """
 from __future__ import annotations
 
@@ -25,6 +28,7 @@ from ..engine import Checked, Engine
 from ..sampling import SamplingParams
 from .model import ModelDrafter, SelfDrafter
 from .ngram import NgramDrafter, lookup
+from .suffix import SuffixDrafter, SuffixIndex
 
 
 class Drafter(Protocol):
@@ -77,7 +81,7 @@ class NoDraft:
         return "none (plain decoding only)"
 
 
-DRAFTERS: dict[str, type] = {cls.kind: cls for cls in (ModelDrafter, SelfDrafter, NgramDrafter, NoDraft)}
+DRAFTERS: dict[str, type] = {cls.kind: cls for cls in (ModelDrafter, SelfDrafter, NgramDrafter, SuffixDrafter, NoDraft)}
 
 
 def drafter_class(kind: str) -> type:
@@ -92,5 +96,5 @@ def make_drafter(bundle: Bundle, backend: BackendChoice | str, threads: int | No
     return drafter_class(bundle.draft_kind).from_bundle(bundle, backend, threads)
 
 
-__all__ = ["DRAFTERS", "Drafter", "ModelDrafter", "NgramDrafter", "NoDraft", "SelfDrafter", "drafter_class",
-           "lookup", "make_drafter"]
+__all__ = ["DRAFTERS", "Drafter", "ModelDrafter", "NgramDrafter", "NoDraft", "SelfDrafter", "SuffixDrafter",
+           "SuffixIndex", "drafter_class", "lookup", "make_drafter"]
