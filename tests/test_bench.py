@@ -144,3 +144,14 @@ def test_bench_on_the_torch_backend(bundles):
 def test_bench_rejects_a_draft_length_past_the_bundle(bundles):
     with pytest.raises(InputError, match="the bundle's max draft"):
         bench(bundles("llama-model"), draft_lens="16", prompts=PROMPTS[:1], max_new_tokens=4, repeats=1)
+
+
+def test_bench_reports_the_trees_of_a_suffix_bundle(bundles):
+    report = bench(bundles("llama-suffix"), draft_lens="2,auto", prompts=PROMPTS[:2], max_new_tokens=12, repeats=1,
+                   threads=1)
+    chain, auto = report["configs"]
+    assert "tree_rounds" not in chain  # a pinned draft length runs chains
+    assert auto["tree_rounds"] == auto["target_passes"] and auto["identical"] == "2/2"
+    assert sum(auto["tree_size_histogram"].values()) == auto["tree_rounds"]
+    assert 0 <= auto["accepted_path_mean"] <= auto["tree_nodes_mean"] + 8
+    assert "token trees, draft auto:" in format_report(report)

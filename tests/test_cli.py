@@ -47,3 +47,20 @@ def test_export_cli(models, tmp_path):
     assert manifest["draft"]["kind"] == "ngram"
     assert set(manifest["files"]) == {"target.onnx", "tokenizer.json"}
     assert manifest["models"]["target"]["architecture"] == "qwen2"
+
+
+def test_export_draft_suffix_and_generate_tree_nodes(models, tmp_path):
+    out = tmp_path / "suffix"
+    result = CliRunner().invoke(main, ["export", "--target", str(models["llama"]), "--draft", "suffix", "--out", str(out),
+                                       "--max-seq", "64", "--dtype", "fp32"])
+    assert result.exit_code == 0, result.output
+    assert "draft       suffix: suffix lookup" in CliRunner().invoke(main, ["inspect", str(out)]).stdout
+    args = ["generate", str(out), "--prompt", "def add(a, b): return a + b. def add(a, b):", "--max-new-tokens", "16",
+            "--json"]
+    runs = {n: json.loads(CliRunner().invoke(main, args + ["--tree-nodes", n]).stdout) for n in ("auto", "4", "1")}
+    assert len({tuple(r["token_ids"]) for r in runs.values()}) == 1
+    assert runs["4"]["stats"]["tree_rounds"] == runs["4"]["stats"]["target_passes"]
+    assert set(runs["4"]["stats"]["tree_size_histogram"]) <= {"0", "1", "2", "3", "4"}
+    assert runs["1"]["stats"]["tree_rounds"] == 0  # chains
+    bad = CliRunner().invoke(main, args + ["--tree-nodes", "99"])
+    assert bad.exit_code == 1 and "tree nodes 99 is outside [1, 32]" in bad.output

@@ -237,6 +237,14 @@ def _load(graph_path: Path, spec: ModelSpec, max_seq: int, threads: int | None, 
             f"{graph_path}: its inputs and outputs are not the graph contract's for {spec.num_layers} layers "
             f"(missing {missing[:4]}, unexpected {extra[:4]}); re-export the bundle"
         )
+    kv = [None, spec.num_kv_heads, max_seq, spec.head_dim]
+    for value in session.get_inputs() + session.get_outputs():
+        want, fields = ((kv, "num_kv_heads, max_seq, head_dim") if value.name.startswith(("past_", "present_"))
+                        else ([None, None, spec.vocab_size], "vocab_size") if value.name == "logits" else (None, ""))
+        got = [d if isinstance(d, int) else None for d in value.shape]
+        if want is not None and [w if w is None else g for w, g in zip(want, got)] + got[len(want):] != want:
+            raise BundleError(f"{graph_path}: {value.name} is {value.shape} in the graph but the manifest's "
+                              f"{fields} make it {[w if w is not None else '?' for w in want]}; re-export the bundle")
     return session, placement
 
 
@@ -400,10 +408,14 @@ class OrtEngine:
         stage.stage(token_ids, start, window, self.spec.sliding_window, tree)
         binding, run_options = self._graph(stage, window) if captured else self._rebind(stage, window)
         binding.synchronize_inputs()  # update_inplace copied from pageable memory: the device has it before the run
-        if run_options is None:  # a session that captures nothing
-            self.session.run_with_iobinding(binding)
-        else:
-            self.session.run_with_iobinding(binding, run_options)
+        try:
+            if run_options is None:  # a session that captures nothing
+                self.session.run_with_iobinding(binding)
+            else:
+                self.session.run_with_iobinding(binding, run_options)
+        except RuntimeError as e:  # onnxruntime's run errors: the graph and the manifest disagree, or the device failed
+            raise BundleError(f"{self.name}: ONNX Runtime failed a pass of {t} tokens at {start} "
+                              f"({_reason(e)})") from None
         return stage.logits.numpy()[0]  # on a GPU the pass's one device-to-host copy; on the CPU a view
 
     def move_kv(self, source: np.ndarray, start: int) -> None:

@@ -54,6 +54,12 @@ def summarise(runs: list[Run]) -> dict:
         "host_seconds": max(0.0, seconds - prefill - draft - verify),
         "acceptance_by_position": [round(a / p, 4) if p else None for a, p in zip(accepted_at, proposed_at)],
     }
+    sizes = [n for x in s for n in x.tree_sizes]
+    if sizes:  # tree rounds: the nodes verified per round (0: a plain step) and the paths accepted
+        out["tree_rounds"] = len(sizes)
+        out["tree_nodes_mean"] = statistics.mean(sizes)
+        out["tree_size_histogram"] = {str(k): sizes.count(k) for k in sorted(set(sizes))}
+        out["accepted_path_mean"] = statistics.mean(n for x in s for n in x.path_lengths)
     device: dict[str, float] = {}
     for r in runs:
         for role, sec in r.device.items():
@@ -124,8 +130,12 @@ def format_report(report: dict) -> str:
             f"{c['ttft_ms_median']:8.1f} {c['itl_ms_median']:7.2f} {c['itl_ms_p90']:7.2f}  {_split(c)}  {c['identical']}"
         )
     for c in report["configs"]:
-        by_pos = ", ".join("-" if x is None else f"{x:.2f}" for x in c["acceptance_by_position"])
-        lines.append(f"acceptance by position, draft {c['draft_len']}: {by_pos}")
+        if "tree_rounds" in c:
+            lines.append(f"token trees, draft {c['draft_len']}: {c['tree_nodes_mean']:.1f} nodes a round on average "
+                         f"(sizes {c['tree_size_histogram']}), accepted path {c['accepted_path_mean']:.2f} tokens")
+        else:
+            by_pos = ", ".join("-" if x is None else f"{x:.2f}" for x in c["acceptance_by_position"])
+            lines.append(f"acceptance by position, draft {c['draft_len']}: {by_pos}")
     return "\n".join(lines)
 
 
