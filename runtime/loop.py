@@ -114,8 +114,7 @@ def tree_round(
     stats.verify_seconds += verify
     stats.target_passes += 1
     stats.record_tree(tree.size, len(path))
-    predicted = float(tree.probs.sum()) if tree.probs is not None and tree.size else 0.0
-    sizes.update(tree.size, predicted, len(path), verify, lookup)
+    sizes.update(tree.probs, tree.size, path, verify, lookup)
     return np.append(tree.tokens[path], token)
 
 

@@ -124,27 +124,33 @@ class DraftLength:
 
 class TreeSize:
     """How many tree nodes to verify each round: pinned (`fixed`), or `auto` from the measured
-    cost of a verify pass and the drafter's own estimates, calibrated by what was accepted.
+    cost of a verify pass and the measured acceptance of each node rank.
 
-    A tree of N nodes commits 1 + (the accepted path's length) tokens; a drafter that scores its
-    nodes (`DraftTree.probs`: the chance the target reaches each) predicts that length as the
-    sum of the kept nodes' scores, and `calibration` (accepted over predicted, decayed) corrects
-    it. A pass of T = N + 1 tokens costs 1 + slope * N times a single step (slope measured as
-    DraftLength measures it), plus the lookup. auto keeps the N most probable nodes that give
-    the most tokens per unit of time; none (a plain step) unless that beats plain by PAYS, with
-    a probe of one node every few rounds. Where wide passes are dear (int4 on a CPU) the tree
-    shrinks to a chain or to nothing; where they are cheap it grows.
+    A tree of N nodes commits 1 + (the accepted path's length) tokens, and the path's expected
+    length is the sum over its nodes of the chance each is on the accepted path. The nodes are
+    ranked by the drafter's own score (`DraftTree.probs`; depth-first order without one), and
+    for each rank the policy measures how often the node of that rank was accepted when
+    verified (decayed counts), starting from the drafter's score as a prior worth PRIOR rounds
+    that counts less as measurements come in: a drafter's scores have the right order more
+    often than the right size (a suffix index's counts over a few occurrences are sure of
+    long continuations that rarely hold). A pass of
+    T = N + 1 tokens costs 1 + slope * N times a single step (slope measured as DraftLength
+    measures it), plus the lookup. auto keeps the N best-ranked nodes that give the most tokens
+    per unit of time; none (a plain step) unless that beats plain by PAYS, with a probe of one
+    node every few rounds. Where wide passes are dear the tree shrinks to a chain or to
+    nothing; where they are cheap it grows.
     """
 
     PAYS = DraftLength.PAYS
+    PRIOR = 2.0  # rounds the drafter's score counts for, per rank
 
-    def __init__(self, max_nodes: int, fixed: int | None = None, decay: float = 0.8, measure: bool = True):
+    def __init__(self, max_nodes: int, fixed: int | None = None, decay: float = 0.9, measure: bool = True):
         self.max_nodes = max_nodes
         self.fixed = fixed
         self.decay = decay
         self.measure = measure  # as DraftLength: under sampling the size never depends on timings
-        self.predicted = 1.0  # pseudo-counts: take the drafter's estimates at face value at first
-        self.accepted = 1.0
+        self.hits = np.zeros(max_nodes)  # decayed: rounds the node of each rank was accepted
+        self.trials = np.zeros(max_nodes)  # decayed: rounds it was verified
         self.verify_slope = 0.05
         self.lookup_cost = 0.0  # the drafter's time per round, relative to a T = 1 pass
         self._verify_t1: float | None = None
@@ -154,14 +160,28 @@ class TreeSize:
     def carry_from(self, earlier: "TreeSize | None") -> "TreeSize":
         """Start from an earlier greedy generation's measurements (see DraftLength.carry_from)."""
         if earlier is not None and self.measure and earlier.measure and self.fixed is None:
-            self.predicted, self.accepted = earlier.predicted, earlier.accepted
+            n = min(self.max_nodes, earlier.max_nodes)
+            self.hits[:n], self.trials[:n] = earlier.hits[:n], earlier.trials[:n]
             self.verify_slope, self.lookup_cost = earlier.verify_slope, earlier.lookup_cost
             self._verify_t1 = earlier._verify_t1
         return self
 
-    @property
-    def calibration(self) -> float:
-        return self.accepted / self.predicted
+    @staticmethod
+    def ranks(probs: np.ndarray | None, size: int) -> np.ndarray:
+        """Each node's rank (0: the best) by the drafter's score, depth-first order breaking
+        ties: the order in which DraftTree.prune keeps nodes."""
+        order = np.arange(size) if probs is None else np.argsort(-probs, kind="stable")
+        rank = np.empty(size, dtype=np.int64)
+        rank[order] = np.arange(size)
+        return rank
+
+    def estimates(self, probs: np.ndarray | None, n: int) -> np.ndarray:
+        """The chance that the node of each rank 0..n-1 is accepted."""
+        prior = np.sort(probs)[::-1][:n] if probs is not None else np.full(n, 0.5)
+        trials = self.trials[:n]
+        weight = self.PRIOR / (1.0 + trials)  # the score counts less as measurements come in
+        # no rank expected to do better than a better-ranked one: the scores' order is trusted
+        return np.minimum.accumulate((weight * prior + self.hits[:n]) / (weight + trials))
 
     def choose(self, probs: np.ndarray | None, size: int) -> int:
         """The number of nodes to verify of a candidate tree of `size` nodes scored `probs`."""
@@ -173,8 +193,7 @@ class TreeSize:
         if size == 0:
             return 0
         n = min(size, self.max_nodes)
-        p = np.sort(probs)[::-1][:n] if probs is not None else np.full(n, 0.5)
-        tokens = 1.0 + self.calibration * np.cumsum(p)  # N = 1..n
+        tokens = 1.0 + np.cumsum(self.estimates(probs, n))  # N = 1..n
         cost = 1.0 + self.lookup_cost + self.verify_slope * np.arange(1, n + 1)
         rates = tokens / cost
         best = int(rates.argmax())
@@ -182,13 +201,17 @@ class TreeSize:
             return 1 if self._rounds % self.probe_every == 0 else 0
         return best + 1
 
-    def update(self, nodes: int, predicted: float, accepted: int, verify_seconds: float, lookup_seconds: float) -> None:
-        """After each round: the nodes verified (0: a plain step at T = 1), the drafter's
-        prediction for them, the accepted path's length, the pass's and the lookup's seconds."""
+    def update(self, probs: np.ndarray | None, nodes: int, path: list[int], verify_seconds: float,
+               lookup_seconds: float) -> None:
+        """After each round: the verified tree's scores and size (0: a plain step at T = 1), the
+        accepted path's node indices, the pass's and the lookup's seconds."""
         d = self.decay
         if nodes:
-            self.predicted = d * self.predicted + predicted
-            self.accepted = d * self.accepted + accepted
+            rank = self.ranks(probs, nodes)
+            self.hits[:nodes] *= d
+            self.trials[:nodes] *= d
+            self.trials[:nodes] += 1
+            np.add.at(self.hits, rank[np.asarray(path, dtype=np.int64)], 1)
         if verify_seconds <= 0 or not self.measure:
             return
         if nodes == 0:

@@ -299,8 +299,8 @@ class Session:
                 return None
             raise InputError(
                 f"tree nodes {n}: this bundle cannot verify token trees (its draft kind is {self.bundle.draft_kind!r}: "
-                "trees need --draft suffix; its target graph must be an exact-attention float graph on the ort "
-                "backend's CPU): use --tree-nodes 1 or auto"
+                "trees need --draft suffix, and a target that is an exact-attention float graph on the ort "
+                "backend's CPU or on the torch backend): use --tree-nodes 1 or auto"
             )
         if auto:
             return TreeSize(MAX_TREE_NODES, measure=params.greedy).carry_from(self._auto_tree)

@@ -60,10 +60,8 @@ class DraftTree:
             return self
         if self.probs is None:
             keep = np.arange(n)
-        else:
-            # most probable first; among equals the shallower, then the earlier: parents first
-            order = np.lexsort((np.arange(self.size), self.depths(), -self.probs))
-            keep = np.sort(order[:n])
+        else:  # most probable first, equals in depth-first order: a parent before its children
+            keep = np.sort(np.argsort(-self.probs, kind="stable")[:n])
         remap = np.full(self.size, -1, dtype=np.int64)
         remap[keep] = np.arange(keep.shape[0])
         parents = self.parents[keep]

@@ -348,3 +348,59 @@ def test_server_takes_tree_settings_and_reports_trees(bundles):
         text = httpx.get(s.url + "/metrics").text
         assert "specdeploy_tree_nodes_bucket" in text and "specdeploy_accepted_path_length_bucket" in text
         assert 'specdeploy_tree_nodes_count 0.0' not in text
+
+
+def test_torch_backend_runs_tree_rounds_on_its_device(bundles):
+    """The torch backend (what runs on CUDA): tree passes eager on its device, the K/V move a
+    device copy; greedy tree rounds equal its own plain decoding."""
+    session = Session(bundles("llama-suffix"), backend="torch", prompt_cache=False)
+    assert session.target.trees
+    answers = {}
+    for prompt in PROMPTS[:8]:
+        ids = session.encode(prompt)
+        answers[tuple(ids)] = session.generate(prompt_ids=ids, max_new_tokens=24, speculate=False).token_ids + [0] * 30
+    session.drafter = OracleTrees(answers, session.target.vocab_size, seed=3)
+    moved = []
+    move = session.target.move_kv
+    session.target.move_kv = lambda source, start: (moved.append(len(source)), move(source, start))
+    for ids, answer in answers.items():
+        result = session.generate(prompt_ids=list(ids), max_new_tokens=24, tree_nodes=8)
+        assert result.token_ids == answer[: len(result.token_ids)], ids
+    assert moved and max(moved) > 1
+
+
+# -- the tree-size policy --------------------------------------------------------------------------
+
+def _tree_rounds(sizes, rounds, holds, probs, slope_seconds):
+    """Feed the policy `rounds` tree rounds of a 16-node candidate scored `probs`, where the
+    node of rank r is accepted when `holds(r)` and a pass of N nodes takes 1 + slope_seconds * N."""
+    from specdeploy.runtime.policy import TreeSize
+
+    chosen = []
+    rank = TreeSize.ranks(probs, probs.shape[0])
+    for _ in range(rounds):
+        n = sizes.choose(probs, probs.shape[0])
+        chosen.append(n)
+        kept = np.sort(np.argsort(-probs, kind="stable")[:n])
+        path = [i for i, node in enumerate(kept) if holds(rank[node])]
+        sizes.update(probs[kept] if n else None, n, path, 1.0 + slope_seconds * n, 0.0)
+    return chosen
+
+
+def test_tree_size_follows_measured_acceptance_per_rank_and_the_pass_cost():
+    from specdeploy.runtime.policy import TreeSize
+
+    probs = np.linspace(0.9, 0.3, 16)  # a drafter sure of far too much
+    # only the two best-ranked nodes ever hold: the tree shrinks to them, whatever the scores say
+    assert _tree_rounds(TreeSize(32), 40, lambda r: r < 2, probs, 0.02)[-5:] == [2] * 5
+    # every node holds and passes are cheap: the whole candidate
+    assert _tree_rounds(TreeSize(32), 40, lambda r: True, probs, 0.02)[-5:] == [16] * 5
+    # nothing holds: plain steps, with a probe of one node every eighth round
+    tail = _tree_rounds(TreeSize(32), 80, lambda r: False, probs, 0.02)[-16:]
+    assert set(tail) == {0, 1} and tail.count(1) == 2
+    # the node of rank r holds with chance 0.8 ** r: cheap passes verify more nodes than dear ones
+    rng = np.random.default_rng(0)
+    holds = lambda r: rng.random() < 0.8 ** r  # noqa: E731
+    cheap = np.median(_tree_rounds(TreeSize(32), 200, holds, probs, 0.02)[100:])
+    dear = np.median(_tree_rounds(TreeSize(32), 200, holds, probs, 0.5)[100:])
+    assert 1 <= dear < cheap, (dear, cheap)

@@ -466,7 +466,8 @@ def tree_capable(spec: ModelSpec, placement: Placement) -> bool:
     activations to int8 blocks, and a tree row attends over the same values as a single step
     but at other slots, so its sums round differently (fp32: within 3e-5 of the step's logits);
     through int8 activations that becomes up to 1.5 (SmolLM2 int4, measured), enough to change
-    greedy tokens. Not a GPU yet: `move_kv` copies on the host."""
+    greedy tokens. Not a GPU yet: `move_kv` copies on the host (the torch backend runs trees
+    on CUDA)."""
     return (spec.attention != "fused" and spec.sliding_window is None and spec.dtype in ("fp32", "fp16")
             and placement.device.kind == "cpu")
 

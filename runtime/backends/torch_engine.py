@@ -122,7 +122,9 @@ class TorchEngine:
         self._options = dict(capture=capture, buckets=buckets, capture_max_t=capture_max_t, min_window=min_window,
                              warmup=warmup)
         self.chains = True  # draft_chain / verify_chain: a round with one host synchronisation
-        self.trees = False  # tree passes: the ort backend's (its mask is built here from the write position)
+        # tree passes (forward(..., tree=)): float graphs without a sliding window (see the ort
+        # backend's tree_capable); run eager, with the exact window
+        self.trees = spec.dtype in ("fp32", "fp16") and spec.sliding_window is None
         self.spec = spec
         self.name = f"{spec.role} (torch)"
         self.max_seq = max_seq
@@ -190,8 +192,9 @@ class TorchEngine:
             raise AttributeError("kv_arrays: the KV buffers live on the device; use .kv")
         return [t.numpy() for t in self.kv]
 
-    def forward(self, token_ids: np.ndarray, start: int) -> np.ndarray:
-        """token_ids [T] at positions start..start+T-1 -> logits [T, V] float32.
+    def forward(self, token_ids: np.ndarray, start: int, tree=None) -> np.ndarray:
+        """token_ids [T] at positions start..start+T-1 -> logits [T, V] float32; with `tree` (a
+        TreeLayout, where `trees` is True) a tree pass, run eager.
 
         The returned array is this engine's buffer for T: valid until the next pass of
         the same T (on a CPU, a fresh array).
@@ -202,17 +205,18 @@ class TorchEngine:
         t = token_ids.shape[0]
         self._stage_np[0] = start
         self._stage_np[1 : 1 + t] = token_ids
-        window = self._window(t, start)
+        window = self._window(t, start) if tree is None else start + t
         self.stats.passes += 1
         with torch.no_grad():
+            run = (lambda: self._run(t, window)) if tree is None else (lambda: self._tree_pass(t, window, tree))
             if self.device.type == "cpu":
                 self.stats.host_syncs += 1
-                return self._run(t, window)[0].numpy()
+                return run()[0].numpy()
             self._upload(t + 1)
             timing = self.time_device and self._events is not None
             if timing:
                 self._events[0].record()
-            logits = self._run(t, window)  # [1, T, V] on the device
+            logits = run()  # [1, T, V] on the device
             if timing:
                 self._events[1].record()
             host = self._host_logits.get(t)
@@ -342,6 +346,26 @@ class TorchEngine:
             visible &= cols > rows - self.spec.sliding_window
         mask = torch.where(visible, 0.0, float("-inf"))  # [T, Lb] float32
         return self.graph(self._io[1 : 1 + t][None], positions[None], start, mask[None, None], self.kv)[0]
+
+    def _tree_pass(self, t: int, window: int, tree) -> torch.Tensor:
+        """A tree pass, eager: each token at start + its depth, seeing the context and its
+        ancestors (runtime/tree.py)."""
+        self.stats.eager += 1
+        start = self._io[:1]
+        positions = start + torch.as_tensor(tree.offsets, device=self.device)
+        mask = torch.full((t, window), float("-inf"), device=self.device)
+        mask[:, : window - t] = 0.0
+        own = mask[:, window - t :]
+        own[torch.as_tensor(tree.visible, device=self.device)] = 0.0
+        return self.graph(self._io[1 : 1 + t][None], positions[None], start, mask[None, None], self.kv)[0]
+
+    def move_kv(self, source: np.ndarray, start: int) -> None:
+        """Copy the K/V at slots `source` [m] to slots start..start+m-1, on the device (the
+        sources are gathered before anything is written)."""
+        index = torch.as_tensor(source, device=self.device)
+        with torch.no_grad():
+            for buffer in self.kv:
+                buffer[0, :, start : start + index.shape[0]] = buffer[0].index_select(1, index)
 
     def _run(self, t: int, window: int) -> torch.Tensor:
         key = (t, window)
