@@ -131,7 +131,7 @@ class TreeSize:
     ranked by the drafter's own score (`DraftTree.probs`; depth-first order without one), and
     for each rank the policy measures how often the node of that rank was accepted when
     verified (decayed counts), starting from the drafter's score as a prior worth PRIOR rounds
-    that counts less as measurements come in: a drafter's scores have the right order more
+    whose weight falls with the square of the rounds measured: a drafter's scores have the right order more
     often than the right size (a suffix index's counts over a few occurrences are sure of
     long continuations that rarely hold). A pass of
     T = N + 1 tokens costs 1 + slope * N times a single step (slope measured as DraftLength
@@ -142,7 +142,7 @@ class TreeSize:
     """
 
     PAYS = DraftLength.PAYS
-    PRIOR = 2.0  # rounds the drafter's score counts for, per rank
+    PRIOR = 1.0  # rounds the drafter's score counts for, per rank, before any is measured
 
     def __init__(self, max_nodes: int, fixed: int | None = None, decay: float = 0.9, measure: bool = True):
         self.max_nodes = max_nodes
@@ -179,7 +179,7 @@ class TreeSize:
         """The chance that the node of each rank 0..n-1 is accepted."""
         prior = np.sort(probs)[::-1][:n] if probs is not None else np.full(n, 0.5)
         trials = self.trials[:n]
-        weight = self.PRIOR / (1.0 + trials)  # the score counts less as measurements come in
+        weight = self.PRIOR / (1.0 + trials) ** 2  # the score counts less as measurements come in
         # no rank expected to do better than a better-ranked one: the scores' order is trusted
         return np.minimum.accumulate((weight * prior + self.hits[:n]) / (weight + trials))
 
@@ -207,9 +207,11 @@ class TreeSize:
         accepted path's node indices, the pass's and the lookup's seconds."""
         d = self.decay
         if nodes:
+            # every rank fades, verified or not: a rank left out for a while (after rounds that
+            # went badly) drifts back to the drafter's score and is tried again
             rank = self.ranks(probs, nodes)
-            self.hits[:nodes] *= d
-            self.trials[:nodes] *= d
+            self.hits *= d
+            self.trials *= d
             self.trials[:nodes] += 1
             np.add.at(self.hits, rank[np.asarray(path, dtype=np.int64)], 1)
         if verify_seconds <= 0 or not self.measure:

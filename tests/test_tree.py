@@ -391,8 +391,10 @@ def test_tree_size_follows_measured_acceptance_per_rank_and_the_pass_cost():
     from specdeploy.runtime.policy import TreeSize
 
     probs = np.linspace(0.9, 0.3, 16)  # a drafter sure of far too much
-    # only the two best-ranked nodes ever hold: the tree shrinks to them, whatever the scores say
-    assert _tree_rounds(TreeSize(32), 40, lambda r: r < 2, probs, 0.02)[-5:] == [2] * 5
+    # only the two best-ranked nodes ever hold: the tree shrinks to them, whatever the scores say,
+    # with a wider try now and then (a rank left out drifts back to the drafter's score)
+    tail = _tree_rounds(TreeSize(32), 60, lambda r: r < 2, probs, 0.02)[-20:]
+    assert tail.count(2) >= 15 and min(tail) == 2, tail
     # every node holds and passes are cheap: the whole candidate
     assert _tree_rounds(TreeSize(32), 40, lambda r: True, probs, 0.02)[-5:] == [16] * 5
     # nothing holds: plain steps, with a probe of one node every eighth round
