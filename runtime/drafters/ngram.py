@@ -12,15 +12,27 @@ from ..engine import Checked, Engine
 from ..sampling import SamplingParams
 
 
-class NgramDrafter:
+class HostLookup:
+    """What every model-free drafter shares: no graph, no draft passes, no fused round."""
+
+    kind = "lookup"
+    engine = None
+    cost_ratio = 0.0  # a lookup on the host costs next to nothing beside a pass
+    caught_up = 0
+    first_seconds = 0.0
+
+    def fused_with(self, target: Engine) -> bool:
+        return False  # a lookup on the host: the verify pass is an ordinary one
+
+    def propose_and_verify(self, target, ids, k, params, rng) -> Checked:
+        raise NotImplementedError(f"a {self.kind} round is never fused (see fused_with)")
+
+
+class NgramDrafter(HostLookup):
     """Find the latest earlier occurrence of the text's last n tokens (n from max_ngram down
     to min_ngram) and propose what followed it."""
 
     kind = "ngram"
-    engine = None
-    cost_ratio = 0.0  # a lookup costs next to nothing beside a pass
-    caught_up = 0
-    first_seconds = 0.0
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
         self.max_ngram = max_ngram
@@ -42,12 +54,6 @@ class NgramDrafter:
 
     def reset(self) -> None:
         pass
-
-    def fused_with(self, target: Engine) -> bool:
-        return False  # a lookup on the host: the verify pass is an ordinary one
-
-    def propose_and_verify(self, target, ids, k, params, rng) -> Checked:
-        raise NotImplementedError("an n-gram round is never fused (see fused_with)")
 
     def propose(self, ids: np.ndarray, k: int, params: SamplingParams, rng: np.random.Generator,
                 min_confidence: float = 0.0):

@@ -24,7 +24,7 @@ import numpy as np
 from specdeploy.core.manifest import Bundle, DraftEntry
 
 from ..backends import BackendChoice
-from ..engine import Checked, Engine
+from .ngram import HostLookup
 from ..sampling import SamplingParams
 from ..tree import DraftTree
 
@@ -163,7 +163,7 @@ class SuffixIndex:
                         del table[key]
 
 
-class SuffixDrafter:
+class SuffixDrafter(HostLookup):
     """Propose what followed the longest earlier match of the text's last n tokens, in the
     request's own text or in earlier requests (`SuffixIndex`), as a tree of the frequent
     continuations.
@@ -178,10 +178,6 @@ class SuffixDrafter:
     """
 
     kind = "suffix"
-    engine = None
-    cost_ratio = 0.0  # a lookup on the host costs next to nothing beside a pass
-    caught_up = 0
-    first_seconds = 0.0
 
     def __init__(self, max_ngram: int = 8, min_ngram: int = 2, index: SuffixIndex | None = None):
         if not 1 <= min_ngram <= max_ngram:
@@ -220,24 +216,13 @@ class SuffixDrafter:
         if not self.private:
             self.index.add(np.asarray(ids, dtype=np.int64))
 
-    def fused_with(self, target: Engine) -> bool:
-        return False  # a lookup on the host: the verify pass is an ordinary one
-
-    def propose_and_verify(self, target, ids, k, params, rng) -> Checked:
-        raise NotImplementedError("a suffix round is never fused (see fused_with)")
-
     def propose(self, ids: np.ndarray, k: int, params: SamplingParams, rng: np.random.Generator,
                 min_confidence: float = 0.0):
         """The main chain of the k-node tree: (tokens int64 [k'], None)."""
         t0 = time.perf_counter()
-        tree = self._tree(ids, k, k)
-        chain, node = [], -1
-        for i, parent in enumerate(tree.parents.tolist()):  # depth-first: a first child follows its parent
-            if parent == node:
-                chain.append(i)
-                node = i
+        chain = self._tree(ids, k, k).main_chain()
         self.seconds += time.perf_counter() - t0
-        return tree.tokens[chain], None
+        return chain, None
 
     def propose_tree(self, ids: np.ndarray, budget: int, max_depth: int) -> DraftTree:
         """Up to `budget` candidate nodes, `max_depth` deep at most, after ids [n]."""
