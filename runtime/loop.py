@@ -91,18 +91,27 @@ def tree_round(
 ) -> np.ndarray:
     """One tree round: the drafter's candidate tree, cut to the size the policy chooses, judged
     by the target in one pass; the accepted path's K/V move to the slots a chain would have
-    written them to. Returns the tokens it commits (the path and the target's own token)."""
+    written them to. Returns the tokens it commits (the path and the target's own token).
+
+    With `sizes.chains` the candidate is the drafter's chain (a model-free lookup, looked up
+    before the policy decides how much of it to verify: the lookup is free, and what it found
+    is the best guide to how far it holds), verified as a chain round."""
     n = ids.shape[0]
     seconds = drafter.seconds
     room = min(sizes.max_nodes, target.max_seq - n)  # node i is written at slot n + i
-    candidates = drafter.propose_tree(ids, room, max_depth) if max_depth > 0 and room > 0 else EMPTY_TREE
+    if max_depth <= 0 or room <= 0:
+        candidates = EMPTY_TREE
+    elif sizes.chains:
+        candidates = DraftTree.chain(drafter.propose(ids, min(room, max_depth), params, rng)[0])
+    else:
+        candidates = drafter.propose_tree(ids, room, max_depth)
     lookup = drafter.seconds - seconds
     tree = candidates.prune(sizes.choose(candidates.probs, candidates.size))
     t0 = time.perf_counter()
-    if tree.size:
+    if tree.size and not tree.is_chain():
         logits = target.forward(np.concatenate([ids[-1:], tree.tokens]), n - 1, tree=tree.layout())
-    else:
-        logits = target.forward(ids[-1:], n - 1)
+    else:  # a chain (or nothing): the ordinary pass, whatever the target
+        logits = target.forward(np.concatenate([ids[-1:], tree.tokens]), n - 1)
     verify = time.perf_counter() - t0
     check_finite(target, logits, n - 1)
     if params.greedy:
@@ -113,7 +122,10 @@ def tree_round(
         target.move_kv(n + np.asarray(path, dtype=np.int64), n)
     stats.verify_seconds += verify
     stats.target_passes += 1
-    stats.record_tree(tree.size, len(path))
+    if sizes.chains:
+        stats.record_round(tree.size, tree.size, len(path))
+    else:
+        stats.record_tree(tree.size, len(path))
     sizes.update(tree.probs, tree.size, path, verify, lookup)
     return np.append(tree.tokens[path], token)
 

@@ -6,73 +6,143 @@ import numpy as np
 from specdeploy.core.analytic import predicted_speedup
 
 
+class PassCost:
+    """What a target pass costs as a function of its tokens T: v(T) = v1 + slope * (T - 1)
+    seconds, fitted by decayed least squares over the passes a generation runs.
+
+    Every verify pass is a measurement at its own T, so the T = 1 cost (the rate plain
+    decoding would run at) is never one sample: the first step after a prefill, say, runs a
+    third slower than the steps after it, and a policy that priced everything against it
+    would take a draft step for cheap and draft far too long. Where the passes measured span
+    too few T to fit a slope (a policy that settled on one k), the slope is drawn toward
+    `prior_slope` times v1 with the weight of RIDGE passes one token apart. Unmeasured, costs
+    are relative: v1 = 1.
+    """
+
+    PRIOR_SLOPE = 0.05  # a target pass's extra cost per extra token, relative to T = 1
+    RIDGE = 1.0
+
+    def __init__(self, decay: float = 0.97, prior_slope: float = PRIOR_SLOPE):
+        self.decay = decay  # per pass measured: a fit over a few dozen passes
+        self.prior_slope = prior_slope
+        self._sums = np.zeros(5)  # decayed: weight, x, x^2, y, x*y with x = T - 1, y = seconds
+
+    @property
+    def measured(self) -> bool:
+        return self._sums[0] > 0
+
+    def add(self, tokens: int, seconds: float, weight: float = 1.0) -> None:
+        """One pass of `tokens` tokens that took `seconds` (or `weight` such passes, on average)."""
+        x = tokens - 1.0
+        self._sums = self.decay * self._sums + weight * np.array([1.0, x, x * x, seconds, x * seconds])
+
+    def fit(self) -> tuple[float, float]:
+        """(v1, slope) in seconds, or relative (1, prior_slope) before any pass is measured."""
+        w, sx, sxx, sy, sxy = self._sums
+        if w <= 0:
+            return 1.0, self.prior_slope
+        mx, my = sx / w, sy / w
+        prior = self.prior_slope * my / (1.0 + self.prior_slope * mx)
+        slope = (sxy - w * mx * my + self.RIDGE * prior) / (sxx - w * mx * mx + self.RIDGE)
+        slope = min(max(slope, 0.0), my / max(mx, 1.0))  # never negative, never a v1 below 0
+        return my - slope * mx, slope
+
+    def seconds(self, tokens) -> "float | np.ndarray":
+        v1, slope = self.fit()
+        return v1 + slope * (np.asarray(tokens, dtype=np.float64) - 1.0)
+
+    def copy_from(self, other: "PassCost") -> None:
+        self._sums = other._sums.copy()
+
+
 class DraftLength:
     """Chooses k each round: pinned, or `auto` within the bundle's maximum.
 
     auto picks the k (0 included: a plain step, when no draft length pays; it then probes
-    with k = 1 every few rounds) that maximises expected tokens per unit of time under the analytic
-    model (DESIGN.md section 4) with the acceptance rate a and the cost ratio c measured so
-    far in this generation: tokens(k) = (1 - a^(k+1)) / (1 - a), time(k) = k*c + v(k), where
-    v(k) is the verify pass's cost at T = k+1 relative to T = 1 (it grows a little with T).
-    When it measures (greedy), its second round is one plain step: the T = 1 pass that c
-    and v(k) are measured against (a verify pass at T = 2 is not one).
-    Under auto a model drafter also stops early when it is unsure of its next token (its
-    confidence below `min_confidence`, which the loop hands it each round; 0 when k is
-    pinned). Greedy output never depends on k: it only changes the speed.
+    with k = 1 every few rounds) that maximises expected tokens per second under the analytic
+    model (DESIGN.md section 4) with the acceptance rate a measured so far in this
+    generation: tokens(k) = (1 - a^(k+1)) / (1 - a), time(k) = first + (k-1)*step + v(k+1),
+    with the draft's first pass (it feeds the tokens the last round committed: T = 2), its
+    later steps and the verify pass v(T) (PassCost) all measured in seconds where it runs.
+    When it measures (greedy), its second round is one plain step, a T = 1 pass for the fit.
+    Greedy output never depends on k: it only changes the speed.
     """
 
     def __init__(
-        self, max_k: int, fixed: int | None = None, min_confidence: float = 0.3, decay: float = 0.8,
-        cost_ratio: float = 0.1, measure: bool = True,
+        self, max_k: int, fixed: int | None = None, min_confidence: float = 0.0,
+        cost_ratio: float = 0.1, measure: bool = True, acceptance_decay: float = 0.95,
     ):
         self.max_k = max_k
         # Under sampling the chosen k decides how many random draws a round uses, so a
-        # seeded run replays only if k never depends on wall-clock timings: then the cost
-        # ratio stays at its static estimate (`measure=False`). Greedy output does not
-        # depend on k, so there the measured costs steer it.
+        # seeded run replays only if k never depends on wall-clock timings: then the costs
+        # stay at their static estimates (`measure=False`). Greedy output does not depend on
+        # k, so there the measured costs steer it.
         self.measure = measure
         self.fixed = fixed
+        # A model draft may stop a round early when its own probability for its next token
+        # falls below this (0: never). Off by default: a stop on an unsure token hides the
+        # rejection it avoids from the acceptance estimate, which then looks higher than it
+        # is, and auto drafts longer than pays (measured on SmolLM2 fp32 + int4 self-draft).
         self.min_confidence = 0.0 if fixed is not None else min_confidence
-        self.decay = decay
+        # of the acceptance counts: over about twenty rounds, since the k that pays sits on a broad
+        # optimum where a noisy estimate costs more than a slow one (a few rounds of every draft
+        # token accepted put a at 0.99 and k at its maximum, far past what pays)
+        self.acceptance_decay = acceptance_decay
         self.accepted = 2.0  # pseudo-counts: start at a = 2/3, optimistic enough to try drafting
         self.rejected = 1.0
-        self.cost_ratio = cost_ratio  # draft step / verify pass: a static estimate, then measured
-        self.first_extra = 0.0  # what a round's first draft pass costs beyond a step, relative to T = 1
-        self.verify_slope = 0.05  # extra verify cost per extra token, relative to T = 1
-        self._verify_t1: float | None = None
+        self.cost_ratio = cost_ratio  # draft step / target pass: the static estimate
+        self.passes = PassCost()  # the target's verify passes
+        # the draft's passes: a round's first (T = 2 in a steady round), then steps (T = 1); a draft
+        # step is small enough that a second token shows (SmolLM2's int4 draft: 1.15-1.4x)
+        self.draft = PassCost(prior_slope=0.2)
         self.probe_every = 8
         self._rounds = 0
 
     def carry_from(self, earlier: "DraftLength | None") -> "DraftLength":
         """Start from what an earlier greedy generation of the same session measured (its
-        acceptance, costs and T = 1 reference) instead of the priors: the next request then
-        drafts at the paying length from its first rounds, and skips the reference step.
-        Greedy only (`measure`): under sampling k must not depend on earlier requests, or a
-        seeded run would not replay."""
+        acceptance and costs) instead of the priors: the next request then drafts at the
+        paying length from its first rounds, and skips the reference step. Greedy only
+        (`measure`): under sampling k must not depend on earlier requests, or a seeded run
+        would not replay."""
         if earlier is not None and self.measure and earlier.measure and self.fixed is None:
             self.accepted, self.rejected = earlier.accepted, earlier.rejected
-            self.cost_ratio, self.verify_slope = earlier.cost_ratio, earlier.verify_slope
-            self.first_extra = earlier.first_extra
-            self._verify_t1 = earlier._verify_t1
+            self.passes.copy_from(earlier.passes)
+            self.draft.copy_from(earlier.draft)
         return self
 
     @property
     def acceptance(self) -> float:
         return self.accepted / (self.accepted + self.rejected)
 
+    def costs(self) -> tuple[float, float, np.ndarray]:
+        """(first draft pass, draft step, verify pass at T = 1..max_k+1), in seconds once
+        measured, else relative to a target pass."""
+        verify = self.passes.seconds(np.arange(1, self.max_k + 2)) if self.measure else \
+            1.0 + PassCost.PRIOR_SLOPE * np.arange(self.max_k + 1)
+        if self.measure and self.draft.measured:
+            step, first = self.draft.seconds([1, 2])
+        else:
+            step = first = self.cost_ratio * float(verify[0])
+        return float(first), float(step), verify
+
+    def rates(self) -> np.ndarray:
+        """Expected tokens per second of each k = 0..max_k relative to plain steps (k = 0: 1)."""
+        a = min(self.acceptance, 0.999)
+        first, step, verify = self.costs()
+        k = np.arange(1, self.max_k + 1)
+        tokens = (1.0 - a ** (k + 1)) / (1.0 - a)
+        return np.concatenate([[1.0], tokens * verify[0] / (first + (k - 1) * step + verify[1:])])
+
     def choose(self) -> int:
         if self.fixed is not None:
             return self.fixed
         self._rounds += 1
-        if self.measure and self._verify_t1 is None and self._rounds == 2:
-            return 0  # one plain step: the T = 1 pass every other cost is measured against
-        a = min(self.acceptance, 0.999)
-        # k = 0: a plain step, one verify pass at T = 1 per token (rate 1)
-        rates = [1.0] + [predicted_speedup(a, k, self.cost_ratio, self.verify_slope, self.first_extra)
-                         for k in range(1, self.max_k + 1)]
+        if self.measure and not self.passes.measured and self._rounds == 2:
+            return 0  # one plain step: a T = 1 pass for the verify cost's fit
+        rates = self.rates()
         # Plain steps unless some k promises more than PAYS: the estimates are noisy, and a
         # gain the model barely predicts is one the round's own overhead can take back.
-        best_k = max(range(len(rates)), key=rates.__getitem__)
+        best_k = int(rates.argmax())
         if rates[best_k] < self.PAYS:
             best_k = 0
         if best_k == 0 and self._rounds % self.probe_every == 0:
@@ -81,11 +151,6 @@ class DraftLength:
 
     PAYS = 1.03
 
-    # A round leaves the draft's cache at most two tokens behind (the last draft token and the
-    # target's own); a first pass over more is catching up (after plain steps, or the prompt),
-    # and its time says nothing about what a draft step costs.
-    STEADY_CATCH_UP = 2
-
     def update(self, proposed: int, accepted: int, draft_seconds: float, verify_seconds: float,
                caught_up: int = 1, draft_passes: int = 0, first_seconds: float = 0.0) -> None:
         """After each round: `proposed` draft tokens (0: the pass was a plain step at T = 1),
@@ -93,33 +158,26 @@ class DraftLength:
         draft's first pass fed (`caught_up`) and how many passes it ran (0: as many as it
         proposed) and, where the drafter timed it, its first pass's seconds. A draft that
         stopped early on an unsure token ran one pass more than it proposed: its cost per step
-        is per pass, not per proposed token. The first pass feeds the tokens the last round
-        committed (T = 2 in a steady round) and costs more than a step: priced on its own
-        (`first_extra`), or a round of one draft token would look dear per step and `auto`
-        would settle on the short rounds that make it look so."""
-        d = self.decay
-        self.accepted = d * self.accepted + accepted
-        self.rejected = d * self.rejected + (1 if accepted < proposed else 0)
+        is per pass, not per proposed token. The first pass is priced on its own: priced per
+        step, a round of one draft token would look dear and `auto` would settle on the short
+        rounds that make it look so."""
+        a = self.acceptance_decay
+        if proposed:
+            self.accepted = a * self.accepted + accepted
+            self.rejected = a * self.rejected + (accepted < proposed)
         if verify_seconds <= 0 or not self.measure:
             return
-        if proposed == 0:  # a plain step: the reference cost of a T = 1 pass
-            t1 = self._verify_t1
-            self._verify_t1 = verify_seconds if t1 is None else d * t1 + (1 - d) * verify_seconds
+        self.passes.add(proposed + 1, verify_seconds)
+        if proposed == 0:
             return
-        t1 = self._verify_t1 or verify_seconds / (1 + self.verify_slope * proposed)
         passes = draft_passes or proposed
-        if first_seconds and passes > 1:  # the later passes are steps of T = 1
-            step = (draft_seconds - first_seconds) / (passes - 1)
-            self.cost_ratio = d * self.cost_ratio + (1 - d) * step / t1
-        if caught_up <= self.STEADY_CATCH_UP:
-            if first_seconds:
-                extra = max(0.0, first_seconds / t1 - self.cost_ratio)
-                self.first_extra = d * self.first_extra + (1 - d) * extra
-            elif passes:
-                self.cost_ratio = d * self.cost_ratio + (1 - d) * (draft_seconds / passes) / t1
-        if self._verify_t1:
-            slope = max(0.0, (verify_seconds / t1 - 1) / proposed)
-            self.verify_slope = d * self.verify_slope + (1 - d) * slope
+        if not first_seconds:  # the round's passes timed as a whole (a chain on the device)
+            self.draft.add(1, draft_seconds / passes, weight=passes)
+            return
+        if caught_up <= self.max_k + 1:  # not a prompt's or a long pause's catch-up
+            self.draft.add(max(caught_up, 1), first_seconds)
+        if passes > 1:  # the later passes are steps of T = 1
+            self.draft.add(1, (draft_seconds - first_seconds) / (passes - 1), weight=passes - 1)
 
 
 class TreeSize:
@@ -134,8 +192,8 @@ class TreeSize:
     whose weight falls with the square of the rounds measured: a drafter's scores have the right order more
     often than the right size (a suffix index's counts over a few occurrences are sure of
     long continuations that rarely hold). A pass of
-    T = N + 1 tokens costs 1 + slope * N times a single step (slope measured as DraftLength
-    measures it), plus the lookup. auto keeps the N best-ranked nodes that give the most tokens
+    T = N + 1 tokens costs v(T) (PassCost, fitted over the passes measured), plus the
+    lookup's seconds. auto keeps the N best-ranked nodes that give the most tokens
     per unit of time; none (a plain step) unless that beats plain by PAYS, with a probe of one
     node every few rounds. Where wide passes are dear the tree shrinks to a chain or to
     nothing; where they are cheap it grows.
@@ -144,26 +202,30 @@ class TreeSize:
     PAYS = DraftLength.PAYS
     PRIOR = 1.0  # rounds the drafter's score counts for, per rank, before any is measured
 
-    def __init__(self, max_nodes: int, fixed: int | None = None, decay: float = 0.9, measure: bool = True):
+    def __init__(self, max_nodes: int, fixed: int | None = None, decay: float = 0.9, measure: bool = True,
+                 chains: bool = False):
         self.max_nodes = max_nodes
+        # chains: the candidates are a model-free drafter's chains (a tree of one branch), the
+        # node of rank r its r-th token: the policy then chooses a chain's length after the lookup
+        self.chains = chains
         self.fixed = fixed
         self.decay = decay
         self.measure = measure  # as DraftLength: under sampling the size never depends on timings
         self.hits = np.zeros(max_nodes)  # decayed: rounds the node of each rank was accepted
         self.trials = np.zeros(max_nodes)  # decayed: rounds it was verified
-        self.verify_slope = 0.05
-        self.lookup_cost = 0.0  # the drafter's time per round, relative to a T = 1 pass
-        self._verify_t1: float | None = None
+        self.passes = PassCost()
+        self.lookup = 0.0  # the drafter's seconds per round (relative to a pass until one is measured)
         self.probe_every = 8
         self._rounds = 0
 
     def carry_from(self, earlier: "TreeSize | None") -> "TreeSize":
         """Start from an earlier greedy generation's measurements (see DraftLength.carry_from)."""
-        if earlier is not None and self.measure and earlier.measure and self.fixed is None:
+        if earlier is not None and self.measure and earlier.measure and self.fixed is None and \
+                earlier.chains == self.chains:
             n = min(self.max_nodes, earlier.max_nodes)
             self.hits[:n], self.trials[:n] = earlier.hits[:n], earlier.trials[:n]
-            self.verify_slope, self.lookup_cost = earlier.verify_slope, earlier.lookup_cost
-            self._verify_t1 = earlier._verify_t1
+            self.passes.copy_from(earlier.passes)
+            self.lookup = earlier.lookup
         return self
 
     @staticmethod
@@ -188,14 +250,16 @@ class TreeSize:
         if self.fixed is not None:
             return min(self.fixed, size)
         self._rounds += 1
-        if self.measure and self._verify_t1 is None and self._rounds == 2:
-            return 0  # one plain step: the T = 1 reference (see DraftLength)
+        if self.measure and not self.passes.measured and self._rounds == 2:
+            return 0  # one plain step: a T = 1 pass for the verify cost's fit (see DraftLength)
         if size == 0:
             return 0
         n = min(size, self.max_nodes)
         tokens = 1.0 + np.cumsum(self.estimates(probs, n))  # N = 1..n
-        cost = 1.0 + self.lookup_cost + self.verify_slope * np.arange(1, n + 1)
-        rates = tokens / cost
+        verify = self.passes.seconds(np.arange(1, n + 2)) if self.measure else \
+            1.0 + PassCost.PRIOR_SLOPE * np.arange(n + 1)
+        lookup = self.lookup if self.measure and self.passes.measured else 0.0
+        rates = tokens * verify[0] / (verify[1:] + lookup)
         best = int(rates.argmax())
         if rates[best] < self.PAYS:
             return 1 if self._rounds % self.probe_every == 0 else 0
@@ -216,11 +280,5 @@ class TreeSize:
             np.add.at(self.hits, rank[np.asarray(path, dtype=np.int64)], 1)
         if verify_seconds <= 0 or not self.measure:
             return
-        if nodes == 0:
-            t1 = self._verify_t1
-            self._verify_t1 = verify_seconds if t1 is None else d * t1 + (1 - d) * verify_seconds
-        t1 = self._verify_t1 or verify_seconds / (1 + self.verify_slope * nodes)
-        self.lookup_cost = d * self.lookup_cost + (1 - d) * lookup_seconds / t1
-        if nodes and self._verify_t1:
-            slope = max(0.0, (verify_seconds / t1 - 1) / nodes)
-            self.verify_slope = d * self.verify_slope + (1 - d) * slope
+        self.passes.add(nodes + 1, verify_seconds)
+        self.lookup = d * self.lookup + (1 - d) * lookup_seconds

@@ -287,16 +287,19 @@ class Session:
         return self.drafter is not None and hasattr(self.drafter, "propose_tree") and getattr(self.target, "trees", False)
 
     def _tree_policy(self, tree_nodes, draft_len, drafter, params: SamplingParams) -> TreeSize | None:
-        """The tree policy of a request, or None for chain rounds."""
+        """The tree policy of a request: tree rounds, or a model-free drafter's chains under auto
+        (looked up before their length is chosen); None for chain rounds DraftLength sizes."""
         auto = tree_nodes in (None, "auto")
         n = None if auto else _as_int(tree_nodes, "tree nodes")
         if n is not None and not 1 <= n <= MAX_TREE_NODES:
             raise InputError(f"tree nodes {n} is outside [1, {MAX_TREE_NODES}] (1: chains)")
-        if n == 1 or (auto and draft_len not in (None, "auto")):
+        draft_auto = draft_len in (None, "auto")
+        if n == 1 or (auto and not draft_auto) or (auto and not self.tree_capable()):
+            if draft_auto and getattr(drafter, "engine", None) is None:
+                # a model-free drafter's chains: look up first, then choose how much to verify
+                return TreeSize(self.bundle.max_draft, measure=params.greedy, chains=True).carry_from(self._auto_tree)
             return None
         if not self.tree_capable():
-            if auto:
-                return None
             raise InputError(
                 f"tree nodes {n}: this bundle cannot verify token trees (its draft kind is {self.bundle.draft_kind!r}: "
                 "trees need --draft suffix, and a target that is an exact-attention float graph on the ort "

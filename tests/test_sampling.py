@@ -259,64 +259,6 @@ def test_auto_draft_length_never_changes_greedy_output(bundles):
             assert auto.token_ids == plain.token_ids, (name, prompt)
 
 
-def _run_rounds(lengths, rounds, accept_all):
-    chosen = []
-    for _ in range(rounds):
-        k = lengths.choose()
-        chosen.append(k)
-        if k:
-            lengths.update(k, k if accept_all else 0, draft_seconds=0.0, verify_seconds=0.0)
-    return chosen
-
-
-def test_auto_draft_length_follows_acceptance_and_cost():
-    from specdeploy.runtime.policy import DraftLength
-
-    # a cheap draft that is always right: k climbs to the bundle's maximum
-    assert _run_rounds(DraftLength(8, cost_ratio=0.05, measure=False), 10, True)[-1] == 8
-    # a draft that is never right: k falls to 0 (plain steps), probing with k = 1 now and then
-    never = _run_rounds(DraftLength(8, cost_ratio=0.05, measure=False), 40, False)
-    assert never[-16:].count(0) >= 12 and 1 in never[-16:] and max(never[-16:]) == 1
-    # a draft as costly as the target pays nothing however right it is
-    assert max(_run_rounds(DraftLength(8, cost_ratio=1.0, measure=False), 20, True)[5:]) <= 1
-    # pinned k is never changed
-    assert set(_run_rounds(DraftLength(8, fixed=3), 10, False)) == {3}
-
-
-def test_auto_measures_the_draft_step_not_its_catch_up():
-    """A draft that skipped plain steps catches up on the tokens it missed in its first pass:
-    that time is not a draft step's cost, or one catch-up would price the draft out for good."""
-    from specdeploy.runtime.policy import DraftLength
-
-    lengths = DraftLength(8, cost_ratio=0.4)
-    lengths.update(0, 0, draft_seconds=0.0, verify_seconds=0.020)  # a plain step: the T = 1 reference
-    lengths.update(1, 1, draft_seconds=0.060, verify_seconds=0.022, caught_up=9)  # after 8 plain steps
-    assert lengths.cost_ratio == 0.4
-    lengths.update(2, 2, draft_seconds=0.024, verify_seconds=0.022, caught_up=2)  # a steady round: 12 ms a step
-    assert lengths.cost_ratio == pytest.approx(0.8 * 0.4 + 0.2 * 0.6)
-
-
-def test_auto_prices_the_first_draft_pass_apart_from_the_steps():
-    """A round's first draft pass feeds the tokens the last round committed (T = 2) and costs
-    more than a step. Priced per step, rounds of one draft token look dearest and `auto` settles
-    on them; priced apart, the steps keep their own cost and the choice follows acceptance."""
-    from specdeploy.runtime.policy import DraftLength
-
-    lengths = DraftLength(8, cost_ratio=0.4)
-    lengths.update(0, 0, draft_seconds=0.0, verify_seconds=0.020)  # the T = 1 reference: 20 ms
-    # 3 passes: a 15 ms first pass, then two 9 ms steps
-    lengths.update(3, 3, draft_seconds=0.033, verify_seconds=0.022, caught_up=2, draft_passes=3, first_seconds=0.015)
-    assert lengths.cost_ratio == pytest.approx(0.8 * 0.4 + 0.2 * 0.45)
-    assert lengths.first_extra == pytest.approx(0.2 * (0.75 - lengths.cost_ratio))
-    # a round that stopped early on an unsure token: 2 passes, 1 token proposed
-    before = lengths.cost_ratio
-    lengths.update(1, 1, draft_seconds=0.024, verify_seconds=0.021, caught_up=2, draft_passes=2, first_seconds=0.015)
-    assert lengths.cost_ratio == pytest.approx(0.8 * before + 0.2 * 0.45)
-    # with acceptance high and steps at about half a target pass, auto drafts several tokens
-    lengths.accepted, lengths.rejected = 12.0, 1.0
-    assert lengths.choose() >= 3
-
-
 def test_auto_starts_from_the_sessions_last_greedy_generation(bundles):
     import copy
 
@@ -326,7 +268,7 @@ def test_auto_starts_from_the_sessions_last_greedy_generation(bundles):
     first = session.generate(PROMPTS[1], max_new_tokens=30, draft_len="auto")
     assert first.stats.draft_len_history[1] == 0  # the T = 1 reference step, measured once
     ended = copy.deepcopy(session._auto)  # the first generation's policy as it ended
-    assert ended._verify_t1 is not None and (ended.accepted, ended.rejected) != (2.0, 1.0)
+    assert ended.passes.measured and (ended.accepted, ended.rejected) != (2.0, 1.0)
     want = DraftLength(session.bundle.max_draft, cost_ratio=0.5).carry_from(ended)
     second = session.generate(PROMPTS[2], max_new_tokens=30, draft_len="auto")
     assert second.stats.draft_len_history[0] == want.choose()  # it starts where the first ended
