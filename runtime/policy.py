@@ -17,15 +17,22 @@ class PassCost:
     too few T to fit a slope (a policy that settled on one k), the slope is drawn toward
     `prior_slope` times v1 with the weight of RIDGE passes one token apart. Unmeasured, costs
     are relative: v1 = 1.
+
+    The cost is not a line: ONNX Runtime's CPU kernels block the T rows, so a step from T = 5
+    to 6 can cost next to nothing and one from 8 to 9 a lot (SmolLM2 fp32: T = 4 29 ms, 5
+    29.5 ms, 8 34 ms). At each T measured (up to `max_tokens`) the cost is that T's own
+    decayed mean, drawn toward the line with the weight of PER_T passes.
     """
 
     PRIOR_SLOPE = 0.05  # a target pass's extra cost per extra token, relative to T = 1
     RIDGE = 1.0
+    PER_T = 2.0
 
-    def __init__(self, decay: float = 0.97, prior_slope: float = PRIOR_SLOPE):
+    def __init__(self, decay: float = 0.97, prior_slope: float = PRIOR_SLOPE, max_tokens: int = 64):
         self.decay = decay  # per pass measured: a fit over a few dozen passes
         self.prior_slope = prior_slope
         self._sums = np.zeros(5)  # decayed: weight, x, x^2, y, x*y with x = T - 1, y = seconds
+        self._at = np.zeros((max_tokens + 1, 2))  # decayed per T: weight, seconds
 
     @property
     def measured(self) -> bool:
@@ -35,6 +42,9 @@ class PassCost:
         """One pass of `tokens` tokens that took `seconds` (or `weight` such passes, on average)."""
         x = tokens - 1.0
         self._sums = self.decay * self._sums + weight * np.array([1.0, x, x * x, seconds, x * seconds])
+        self._at *= self.decay
+        if tokens < self._at.shape[0]:
+            self._at[tokens] += weight * np.array([1.0, seconds])
 
     def fit(self) -> tuple[float, float]:
         """(v1, slope) in seconds, or relative (1, prior_slope) before any pass is measured."""
@@ -49,10 +59,19 @@ class PassCost:
 
     def seconds(self, tokens) -> "float | np.ndarray":
         v1, slope = self.fit()
-        return v1 + slope * (np.asarray(tokens, dtype=np.float64) - 1.0)
+        t = np.asarray(tokens)
+        line = v1 + slope * (t - 1.0)
+        if not self.measured:
+            return line
+        at = self._at[np.minimum(t, self._at.shape[0] - 1)]
+        inside = t < self._at.shape[0]
+        return np.where(inside, (self.PER_T * line + at[..., 1]) / (self.PER_T + at[..., 0]), line)
 
     def copy_from(self, other: "PassCost") -> None:
         self._sums = other._sums.copy()
+        n = min(self._at.shape[0], other._at.shape[0])
+        self._at[:] = 0.0
+        self._at[:n] = other._at[:n]
 
 
 class DraftLength:
@@ -60,8 +79,9 @@ class DraftLength:
 
     auto picks the k (0 included: a plain step, when no draft length pays; it then probes
     with k = 1 every few rounds) that maximises expected tokens per second under the analytic
-    model (DESIGN.md section 4) with the acceptance rate a measured so far in this
-    generation: tokens(k) = (1 - a^(k+1)) / (1 - a), time(k) = first + (k-1)*step + v(k+1),
+    model (DESIGN.md section 4) with the acceptance measured so far, per draft position
+    (`held`): tokens(k) = 1 + sum over i <= k of (the chance positions 1..i all hold), time(k)
+    = first + (k-1)*step + v(k+1),
     with the draft's first pass (it feeds the tokens the last round committed: T = 2), its
     later steps and the verify pass v(T) (PassCost) all measured in seconds where it runs.
     When it measures (greedy), its second round is one plain step, a T = 1 pass for the fit.
@@ -90,11 +110,13 @@ class DraftLength:
         self.acceptance_decay = acceptance_decay
         self.accepted = 2.0  # pseudo-counts: start at a = 2/3, optimistic enough to try drafting
         self.rejected = 1.0
+        self.hits = np.zeros(max_k)  # decayed, per draft position: rounds it held, rounds it was judged
+        self.trials = np.zeros(max_k)
         self.cost_ratio = cost_ratio  # draft step / target pass: the static estimate
-        self.passes = PassCost()  # the target's verify passes
+        self.passes = PassCost(max_tokens=max_k + 1)  # the target's verify passes
         # the draft's passes: a round's first (T = 2 in a steady round), then steps (T = 1); a draft
         # step is small enough that a second token shows (SmolLM2's int4 draft: 1.15-1.4x)
-        self.draft = PassCost(prior_slope=0.2)
+        self.draft = PassCost(prior_slope=0.2, max_tokens=max_k + 1)
         self.probe_every = 8
         self._rounds = 0
 
@@ -106,13 +128,26 @@ class DraftLength:
         would not replay."""
         if earlier is not None and self.measure and earlier.measure and self.fixed is None:
             self.accepted, self.rejected = earlier.accepted, earlier.rejected
+            n = min(self.max_k, earlier.max_k)
+            self.hits[:n], self.trials[:n] = earlier.hits[:n], earlier.trials[:n]
             self.passes.copy_from(earlier.passes)
             self.draft.copy_from(earlier.draft)
         return self
 
     @property
     def acceptance(self) -> float:
+        """The per-token acceptance a over every position (the geometric model's estimate)."""
         return self.accepted / (self.accepted + self.rejected)
+
+    POSITION_PRIOR = 2.0  # rounds `acceptance` counts for at each position
+
+    def held(self) -> np.ndarray:
+        """The chance that draft position 1..max_k holds, given that the ones before it held:
+        measured per position, drawn toward `acceptance` (the positions rarely judged follow
+        it). It is not one number: SmolLM2's int4 self-draft held 0.92, 0.91, 0.90, 0.87, 0.84
+        at positions 1..5, and a single rate drafts past where it pays."""
+        a = min(self.acceptance, 0.999)
+        return np.minimum((self.POSITION_PRIOR * a + self.hits) / (self.POSITION_PRIOR + self.trials), 0.999)
 
     def costs(self) -> tuple[float, float, np.ndarray]:
         """(first draft pass, draft step, verify pass at T = 1..max_k+1), in seconds once
@@ -127,10 +162,9 @@ class DraftLength:
 
     def rates(self) -> np.ndarray:
         """Expected tokens per second of each k = 0..max_k relative to plain steps (k = 0: 1)."""
-        a = min(self.acceptance, 0.999)
         first, step, verify = self.costs()
         k = np.arange(1, self.max_k + 1)
-        tokens = (1.0 - a ** (k + 1)) / (1.0 - a)
+        tokens = 1.0 + np.cumsum(np.cumprod(self.held()))
         return np.concatenate([[1.0], tokens * verify[0] / (first + (k - 1) * step + verify[1:])])
 
     def choose(self) -> int:
@@ -165,6 +199,10 @@ class DraftLength:
         if proposed:
             self.accepted = a * self.accepted + accepted
             self.rejected = a * self.rejected + (accepted < proposed)
+            self.hits *= a
+            self.trials *= a
+            self.trials[: min(accepted + 1, proposed)] += 1  # judged: the held ones and the first that did not
+            self.hits[:accepted] += 1
         if verify_seconds <= 0 or not self.measure:
             return
         self.passes.add(proposed + 1, verify_seconds)
@@ -213,7 +251,7 @@ class TreeSize:
         self.measure = measure  # as DraftLength: under sampling the size never depends on timings
         self.hits = np.zeros(max_nodes)  # decayed: rounds the node of each rank was accepted
         self.trials = np.zeros(max_nodes)  # decayed: rounds it was verified
-        self.passes = PassCost()
+        self.passes = PassCost(max_tokens=max_nodes + 1)
         self.lookup = 0.0  # the drafter's seconds per round (relative to a pass until one is measured)
         self.probe_every = 8
         self._rounds = 0

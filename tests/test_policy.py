@@ -5,7 +5,6 @@ shown to fail a policy pinned where it does not pay."""
 import numpy as np
 import pytest
 
-from specdeploy.core.analytic import tokens_per_pass
 from specdeploy.runtime.policy import DraftLength, PassCost, TreeSize
 
 
@@ -15,19 +14,23 @@ class World:
     every timing carries multiplicative noise; the very first plain step after the prompt runs
     `cold` times slower (as a real one does)."""
 
-    def __init__(self, a, step, first=None, v1=0.020, slope=0.0012, noise=0.08, cold=1.6, seed=0):
-        self.a, self.step, self.first = a, step, step * 1.15 if first is None else first
-        self.v1, self.slope, self.noise, self.cold = v1, slope, noise, cold
+    def __init__(self, a, step, first=None, v1=0.020, slope=0.0012, noise=0.08, cold=1.6, seed=0, passes=None):
+        """`a`: one rate, or the chance each position holds given the ones before it held;
+        `passes`: a target pass's seconds at T = 1, 2, ... (else v1 + slope * (T - 1))."""
+        self.held = np.broadcast_to(np.asarray(a, dtype=np.float64), (8,))
+        self.step, self.first = step, step * 1.15 if first is None else first
+        self.v1, self.slope, self.noise, self.cold, self.passes = v1, slope, noise, cold, passes
         self.rng = np.random.default_rng(seed)
 
     def verify(self, t):
-        return self.v1 + self.slope * (t - 1)
+        return self.passes[t - 1] if self.passes is not None else self.v1 + self.slope * (t - 1)
 
     def expected_rate(self, k):
         """Expected tokens per second at a fixed k (k = 0: plain steps)."""
         if k == 0:
             return 1 / self.verify(1)
-        return tokens_per_pass(self.a, k) / (self.first + (k - 1) * self.step + self.verify(k + 1))
+        tokens = 1 + np.cumprod(self.held[:k]).sum()
+        return tokens / (self.first + (k - 1) * self.step + self.verify(k + 1))
 
     def jitter(self, seconds):
         return seconds * float(np.exp(self.rng.normal(0.0, self.noise)))
@@ -43,7 +46,7 @@ class World:
                 got, spent = 1, verify
             else:
                 held = 0
-                while held < k and self.rng.random() < self.a:
+                while held < k and self.rng.random() < self.held[held]:
                     held += 1
                 first = self.jitter(self.first)
                 draft = first + sum(self.jitter(self.step) for _ in range(k - 1))
@@ -59,6 +62,10 @@ WORLDS = {
     # the quantized self-draft measured on SmolLM2 (fp32 target, int4 draft): a step about 0.55
     # of a target pass, a = 0.93: k = 3..4 pays about 1.2x, k = 8 less
     "self-draft": dict(a=0.93, step=0.011),
+    # the same pair as measured per position and per T (ms: 25.8, 28.2, 29.5, 31.1, 31.6, ...):
+    # acceptance falling with depth and a pass cost that is no line
+    "self-draft, measured": dict(a=[0.92, 0.91, 0.90, 0.87, 0.84, 0.80, 0.76, 0.72], step=0.0125, first=0.0145,
+                                 passes=[0.0258, 0.0282, 0.0295, 0.0311, 0.0316, 0.0335, 0.0355, 0.0375, 0.0395]),
     "cheap and right": dict(a=0.97, step=0.002),  # the largest k pays most
     "dear": dict(a=0.9, step=0.019),  # drafting never pays: plain steps
     "wrong": dict(a=0.2, step=0.004),
