@@ -79,9 +79,11 @@ class DraftLength:
 
     auto picks the k (0 included: a plain step, when no draft length pays; it then probes
     with k = 1 every few rounds) that maximises expected tokens per second under the analytic
-    model (DESIGN.md section 4) with the acceptance measured so far, per draft position
-    (`held`): tokens(k) = 1 + sum over i <= k of (the chance positions 1..i all hold), time(k)
-    = first + (k-1)*step + v(k+1),
+    model (DESIGN.md section 4) with the acceptance measured so far, per draft position:
+
+        tokens(k) = 1 + sum over i <= k of (the chance that positions 1..i all hold)
+        time(k) = first + (k - 1) * step + v(k + 1)
+
     with the draft's first pass (it feeds the tokens the last round committed: T = 2), its
     later steps and the verify pass v(T) (PassCost) all measured in seconds where it runs.
     When it measures (greedy), its second round is one plain step, a T = 1 pass for the fit.

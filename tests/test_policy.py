@@ -178,3 +178,18 @@ def test_lookup_chains_are_cut_where_they_stop_holding():
     # none holds: plain steps, with a one-token probe every eighth round
     tail = _chain_rounds(TreeSize(8, chains=True), 80, holds=0)[-16:]
     assert set(tail) == {0, 1} and tail.count(1) == 2
+
+
+def test_the_ngram_index_finds_what_a_scan_of_the_text_finds():
+    """The n-gram drafter indexes the text as it grows; the scan (`lookup`) is its reference,
+    over growing texts of a small alphabet (many repeats) and texts that replace each other."""
+    from specdeploy.runtime.drafters.ngram import NgramDrafter, lookup
+
+    rng = np.random.default_rng(0)
+    for max_n, min_n in ((3, 1), (4, 2)):
+        drafter = NgramDrafter(max_n, min_n)
+        for _ in range(60):
+            text = rng.integers(0, 5, rng.integers(2, 60))
+            for n in range(2, text.shape[0] + 1):
+                got, probs = drafter.propose(text[:n], 4, None, None)
+                assert probs is None and np.array_equal(got, lookup(text[:n], 4, max_n, min_n)), text[:n]

@@ -30,7 +30,12 @@ class HostLookup:
 
 class NgramDrafter(HostLookup):
     """Find the latest earlier occurrence of the text's last n tokens (n from max_ngram down
-    to min_ngram) and propose what followed it."""
+    to min_ngram) and propose what followed it.
+
+    The text's n-grams are indexed as it grows (a dict per n from the n-gram to the position
+    after its latest occurrence), so a round costs a few dict probes plus the tokens new since
+    the last one, never a scan of the context: per-round host work that does not grow with the
+    text. `lookup` below is the scan it is tested against."""
 
     kind = "ngram"
 
@@ -39,6 +44,7 @@ class NgramDrafter(HostLookup):
         self.min_ngram = min_ngram
         self.passes = 0
         self.seconds = 0.0
+        self.reset()
 
     @classmethod
     def from_bundle(cls, bundle: Bundle, backend: BackendChoice | str, threads: int | None) -> "NgramDrafter":
@@ -53,14 +59,41 @@ class NgramDrafter(HostLookup):
         return NgramDrafter(self.max_ngram, self.min_ngram)
 
     def reset(self) -> None:
-        pass
+        self._ids = np.empty(0, dtype=np.int64)  # the text indexed so far (its n-grams ending before its last token)
+        self._after: dict[int, dict[bytes, int]] = {n: {} for n in range(self.min_ngram, self.max_ngram + 1)}
 
     def propose(self, ids: np.ndarray, k: int, params: SamplingParams, rng: np.random.Generator,
                 min_confidence: float = 0.0):
         t0 = time.perf_counter()
-        found = lookup(ids, k, self.max_ngram, self.min_ngram)
+        ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+        self._catch_up(ids)
+        n_ids = ids.shape[0]
+        found = ids[:0]
+        tail = ids[max(0, n_ids - self.max_ngram):].tobytes()
+        for n in range(min(self.max_ngram, n_ids - 1), self.min_ngram - 1, -1):
+            start = self._after[n].get(tail[8 * (len(tail) // 8 - n):])
+            if start is not None:
+                found = ids[start : start + k].copy()
+                break
         self.seconds += time.perf_counter() - t0
         return found, None
+
+    def _catch_up(self, ids: np.ndarray) -> None:
+        """Index the n-grams ending at positions up to the one before the last (the last
+        n-gram is the one looked up: its own occurrence must not match it). A text that does
+        not extend the indexed one (another request) is indexed afresh."""
+        done = self._ids.shape[0]
+        if done > ids.shape[0] or not np.array_equal(self._ids, ids[:done]):
+            self.reset()
+            done = 0
+        end = ids.shape[0] - 1  # n-grams ending before this position
+        if end <= done:
+            return
+        raw = ids.tobytes()
+        for n, table in self._after.items():
+            for last in range(max(done, n - 1), end):  # the n-gram ids[last-n+1 .. last]
+                table[raw[8 * (last - n + 1) : 8 * (last + 1)]] = last + 1
+        self._ids = ids[:end].copy()
 
 
 def lookup(ids: np.ndarray, k: int, max_ngram: int, min_ngram: int) -> np.ndarray:
