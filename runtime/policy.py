@@ -279,9 +279,15 @@ class TreeSize:
 
     def estimates(self, probs: np.ndarray | None, n: int) -> np.ndarray:
         """The chance that the node of each rank 0..n-1 is accepted."""
-        prior = np.sort(probs)[::-1][:n] if probs is not None else np.full(n, 0.5)
         trials = self.trials[:n]
         weight = self.PRIOR / (1.0 + trials) ** 2  # the score counts less as measurements come in
+        if probs is not None:
+            prior = np.sort(probs)[::-1][:n]
+        elif self.chains:  # a lookup's chain: each token holds as often as the first (geometric)
+            first = (weight[:1] * 0.5 + self.hits[:1]) / (weight[:1] + trials[:1]) if n else np.ones(1)
+            prior = first ** np.arange(1, n + 1)
+        else:
+            prior = np.full(n, 0.5)
         # no rank expected to do better than a better-ranked one: the scores' order is trusted
         return np.minimum.accumulate((weight * prior + self.hits[:n]) / (weight + trials))
 
