@@ -237,6 +237,10 @@ class TreeSize:
     per unit of time; none (a plain step) unless that beats plain by PAYS, with a probe of one
     node every few rounds. Where wide passes are dear the tree shrinks to a chain or to
     nothing; where they are cheap it grows.
+
+    With `chains` the candidates are a model-free drafter's chains, looked up before the
+    policy chooses how much of them to verify (the lookup is free): rank r is the chain's
+    token r+1, and its prior is the first token's measured rate to the power r+1.
     """
 
     PAYS = DraftLength.PAYS

@@ -193,3 +193,20 @@ def test_the_ngram_index_finds_what_a_scan_of_the_text_finds():
             for n in range(2, text.shape[0] + 1):
                 got, probs = drafter.propose(text[:n], 4, None, None)
                 assert probs is None and np.array_equal(got, lookup(text[:n], 4, max_n, min_n)), text[:n]
+
+
+def test_a_lookup_bundle_under_auto_looks_up_first_and_stays_lossless(bundles):
+    from specdeploy.runtime import Session
+    from tiny import PROMPTS
+
+    session = Session(bundles("llama-ngram"))
+    for prompt in PROMPTS[14:18]:
+        plain = session.generate(prompt, max_new_tokens=60, speculate=False)
+        auto = session.generate(prompt, max_new_tokens=60, draft_len="auto")
+        assert auto.token_ids == plain.token_ids, prompt
+        stats = auto.stats.as_dict()
+        assert stats["tree_rounds"] == 0 and len(auto.stats.draft_len_history) == auto.stats.target_passes
+        assert max(auto.stats.draft_len_history) <= session.bundle.max_draft
+    assert session._auto_tree is not None and session._auto_tree.chains  # the chain policy, carried over
+    kw = dict(max_new_tokens=40, draft_len="auto", temperature=1.0, seed=3)
+    assert session.generate(PROMPTS[15], **kw).token_ids == Session(bundles("llama-ngram")).generate(PROMPTS[15], **kw).token_ids
