@@ -74,11 +74,43 @@ class PassCost:
         self._at[:n] = other._at[:n]
 
 
+class Probes:
+    """When drafting does not pay, a probe of one draft token now and then, in case the text
+    changed: every PROBE_EVERY plain rounds, twice as far apart after each probe that failed
+    (up to MAX_EVERY), back to PROBE_EVERY after one that held. A probe costs a wider verify
+    pass and, for a model draft, a pass that catches up on the tokens it skipped; a draft that
+    never holds (SmolLM2's first 2 layers: 1-3% of its tokens) should cost next to nothing."""
+
+    PROBE_EVERY = 8
+    MAX_EVERY = 64
+
+    def __init__(self):
+        self.every = self.PROBE_EVERY
+        self._waited = 0
+        self.pending = False  # the round just chosen is a probe
+
+    def due(self) -> bool:
+        """Called on a round that would be a plain step: whether to probe instead."""
+        self._waited += 1
+        self.pending = self._waited >= self.every
+        if self.pending:
+            self._waited = 0
+        return self.pending
+
+    def settle(self, held: bool) -> None:
+        """After a round: whether its draft tokens held (any)."""
+        if self.pending:
+            self.every = self.PROBE_EVERY if held else min(self.every * 2, self.MAX_EVERY)
+            self.pending = False
+        elif held:
+            self.every = self.PROBE_EVERY
+
+
 class DraftLength:
     """Chooses k each round: pinned, or `auto` within the bundle's maximum.
 
     auto picks the k (0 included: a plain step, when no draft length pays; it then probes
-    with k = 1 every few rounds) that maximises expected tokens per second under the analytic
+    with k = 1 now and then: Probes) that maximises expected tokens per second under the analytic
     model (DESIGN.md section 4) with the acceptance measured so far, per draft position:
 
         tokens(k) = 1 + sum over i <= k of (the chance that positions 1..i all hold)
@@ -119,7 +151,7 @@ class DraftLength:
         # the draft's passes: a round's first (T = 2 in a steady round), then steps (T = 1); a draft
         # step is small enough that a second token shows (SmolLM2's int4 draft: 1.15-1.4x)
         self.draft = PassCost(prior_slope=0.2, max_tokens=max_k + 1)
-        self.probe_every = 8
+        self.probes = Probes()
         self._rounds = 0
 
     def carry_from(self, earlier: "DraftLength | None") -> "DraftLength":
@@ -181,7 +213,7 @@ class DraftLength:
         best_k = int(rates.argmax())
         if rates[best_k] < self.PAYS:
             best_k = 0
-        if best_k == 0 and self._rounds % self.probe_every == 0:
+        if best_k == 0 and self.probes.due():
             return 1  # drafting does not pay so far: probe now and then in case the text changed
         return best_k
 
@@ -199,6 +231,7 @@ class DraftLength:
         rounds that make it look so."""
         a = self.acceptance_decay
         if proposed:
+            self.probes.settle(accepted > 0)
             self.accepted = a * self.accepted + accepted
             self.rejected = a * self.rejected + (accepted < proposed)
             self.hits *= a
@@ -235,7 +268,7 @@ class TreeSize:
     T = N + 1 tokens costs v(T) (PassCost, fitted over the passes measured), plus the
     lookup's seconds. auto keeps the N best-ranked nodes that give the most tokens
     per unit of time; none (a plain step) unless that beats plain by PAYS, with a probe of one
-    node every few rounds. Where wide passes are dear the tree shrinks to a chain or to
+    node now and then (Probes). Where wide passes are dear the tree shrinks to a chain or to
     nothing; where they are cheap it grows.
 
     With `chains` the candidates are a model-free drafter's chains, looked up before the
@@ -259,7 +292,7 @@ class TreeSize:
         self.trials = np.zeros(max_nodes)  # decayed: rounds it was verified
         self.passes = PassCost(max_tokens=max_nodes + 1)
         self.lookup = 0.0  # the drafter's seconds per round (relative to a pass until one is measured)
-        self.probe_every = 8
+        self.probes = Probes()
         self._rounds = 0
 
     def carry_from(self, earlier: "TreeSize | None") -> "TreeSize":
@@ -312,7 +345,7 @@ class TreeSize:
         rates = tokens * verify[0] / (verify[1:] + lookup)
         best = int(rates.argmax())
         if rates[best] < self.PAYS:
-            return 1 if self._rounds % self.probe_every == 0 else 0
+            return 1 if self.probes.due() else 0
         return best + 1
 
     def update(self, probs: np.ndarray | None, nodes: int, path: list[int], verify_seconds: float,
@@ -321,6 +354,7 @@ class TreeSize:
         accepted path's node indices, the pass's and the lookup's seconds."""
         d = self.decay
         if nodes:
+            self.probes.settle(bool(path))
             # every rank fades, verified or not: a rank left out for a while (after rounds that
             # went badly) drifts back to the drafter's score and is tried again
             rank = self.ranks(probs, nodes)
