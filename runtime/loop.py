@@ -195,7 +195,7 @@ def decode(
     if cache is not None:
         cache.hold(target, ids, n - 1)
     stats.prefill_seconds = time.perf_counter() - t_start
-    eos = np.asarray(eos_token_ids, dtype=np.int64)
+    eos = frozenset(int(t) for t in eos_token_ids)
     if drafter is None:
         passes0 = seconds0 = 0
     try:
@@ -225,10 +225,12 @@ def _rounds(target, drafter, ids, n, max_new_tokens, draft_len, eos, params, rng
                 draft_len.update(stats.last_proposed, stats.last_accepted, drafter.seconds - draft_before,
                                  stats.verify_seconds - verify_before, drafter.caught_up,
                                  drafter.passes - passes_before, drafter.first_seconds)
-        stop = np.flatnonzero(np.isin(new, eos))
-        if stop.size:
-            new = new[: stop[0] + 1]
+        stop = next((i for i, token in enumerate(new.tolist()) if token in eos), None)  # a set: no numpy per round
+        if stop is not None:
+            new = new[: stop + 1]
         new = new[: max_new_tokens - produced]
+        if stop is not None and stop >= new.shape[0]:
+            stop = None  # the EOS fell past max_new_tokens: the generation ends by its length
         ids[n : n + new.shape[0]] = new
         n += new.shape[0]
         produced += new.shape[0]
@@ -242,8 +244,8 @@ def _rounds(target, drafter, ids, n, max_new_tokens, draft_len, eos, params, rng
         if produced == new.shape[0]:
             stats.first_token_seconds = stats.seconds
             stats.first_round_tokens = produced
-        if stop.size:
+        if stop is not None:
             stats.finish_reason = "eos"
         yield new
-        if stop.size:
+        if stop is not None:
             return
