@@ -1,13 +1,16 @@
 """Decode-only speedup per prompt, plain and each draft length alternating in one session.
 
-    python benchmarks/decode_ratio.py BUNDLE [--prompts FILE] [--limit N] [--draft-len 3,4,auto]
-        [--max-new-tokens N] [--repeats R]
+    python benchmarks/decode_ratio.py BUNDLE [BUNDLE ...] [--prompts FILE] [--limit N]
+        [--draft-len 3,4,auto] [--max-new-tokens N] [--repeats R]
 
 For each prompt (chat template applied), R times: one plain generation, then one per draft
 length, each checked token for token against plain; a prompt's ratio is the median of its R
 ratios (each speculative run against the plain run beside it). Decode-only tok/s runs from the end of the first
 round to the last token (prompt processing excluded). Prints each prompt's ratios and, per
 draft length, the median ratio over prompts, the median acceptance and tokens per target pass.
+With several bundles, each prompt's runs go through every bundle in turn (the rows of one
+bundle compare with another's measured side by side), and each bundle's plain decoding
+tok/s is reported beside its ratios.
 """
 from __future__ import annotations
 
@@ -23,33 +26,40 @@ HERE = Path(__file__).parent
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("bundle")
+    ap.add_argument("bundles", nargs="+")
     ap.add_argument("--prompts", default=str(HERE / "prompts_varied.txt"))
     ap.add_argument("--limit", type=int)
     ap.add_argument("--draft-len", default="3,auto")
     ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument("--repeats", type=int, default=1)
     args = ap.parse_args()
-    session = Session(args.bundle, prompt_cache=False)  # every run prefills its prompt
+    sessions = {b: Session(b, prompt_cache=False) for b in args.bundles}  # every run prefills its prompt
     lens = [k if k == "auto" else int(k) for k in args.draft_len.split(",")]
-    rows = {k: [] for k in lens}
+    rows = {(b, k): [] for b in sessions for k in lens}
+    plain_rates = {b: [] for b in sessions}
     for prompt in read_prompts(Path(args.prompts))[: args.limit]:
-        ids = session.encode(prompt, chat=True)
-        runs = {k: [] for k in lens}
+        runs = {key: [] for key in rows}
+        rates = {b: [] for b in sessions}
         for _ in range(args.repeats):
-            plain = session.generate(prompt_ids=ids, max_new_tokens=args.max_new_tokens, speculate=False)
-            for k in lens:
-                spec = session.generate(prompt_ids=ids, max_new_tokens=args.max_new_tokens, draft_len=k)
-                assert spec.token_ids == plain.token_ids, (prompt, k)
-                ratio = spec.stats.decode_tokens_per_second / plain.stats.decode_tokens_per_second
-                runs[k].append((ratio, spec.stats.acceptance_rate, spec.stats.mean_accepted))
-        for k in lens:
-            rows[k].append(tuple(statistics.median(r[i] for r in runs[k]) for i in range(3)))
-        print(prompt[:40], {k: round(v[-1][0], 2) for k, v in rows.items()}, flush=True)
-    for k, v in rows.items():
-        print(f"draft {k}: median ratio {statistics.median(r[0] for r in v):.3f} (lowest prompt {min(r[0] for r in v):.2f}), "
+            for b, session in sessions.items():
+                ids = session.encode(prompt, chat=True)
+                plain = session.generate(prompt_ids=ids, max_new_tokens=args.max_new_tokens, speculate=False)
+                rates[b].append(plain.stats.decode_tokens_per_second)
+                for k in lens:
+                    spec = session.generate(prompt_ids=ids, max_new_tokens=args.max_new_tokens, draft_len=k)
+                    assert spec.token_ids == plain.token_ids, (b, prompt, k)
+                    ratio = spec.stats.decode_tokens_per_second / plain.stats.decode_tokens_per_second
+                    runs[b, k].append((ratio, spec.stats.acceptance_rate, spec.stats.mean_accepted))
+        for key in rows:
+            rows[key].append(tuple(statistics.median(r[i] for r in runs[key]) for i in range(3)))
+        for b in sessions:
+            plain_rates[b].append(statistics.median(rates[b]))
+        tag = (lambda b, k: k) if len(sessions) == 1 else (lambda b, k: f"{Path(b).name} {k}")
+        print(prompt[:40], {tag(*key): round(v[-1][0], 2) for key, v in rows.items()}, flush=True)
+    for (b, k), v in rows.items():
+        name = "" if len(sessions) == 1 else f"{b} (plain {statistics.median(plain_rates[b]):.1f} tok/s) "
+        print(f"{name}draft {k}: median ratio {statistics.median(r[0] for r in v):.3f} (lowest prompt {min(r[0] for r in v):.2f}), "
               f"acceptance {statistics.median(r[1] for r in v):.3f}, tokens per pass {statistics.median(r[2] for r in v):.2f}")
-
 
 if __name__ == "__main__":
     main()
