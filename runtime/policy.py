@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from specdeploy.core.analytic import predicted_speedup
 
 
 class PassCost:
