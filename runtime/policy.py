@@ -1,8 +1,8 @@
-"""The draft-length policy: how many tokens to draft each round."""
+"""The policies of `auto`: how many tokens to draft each round (DraftLength), how many tree
+nodes or looked-up tokens to verify (TreeSize), from costs measured in seconds (PassCost)."""
 from __future__ import annotations
 
 import numpy as np
-
 
 
 class PassCost:
