@@ -62,8 +62,8 @@ WORLDS = {
     # the quantized self-draft measured on SmolLM2 (fp32 target, int4 draft): a step about 0.55
     # of a target pass, a = 0.93: k = 3..4 pays about 1.2x, k = 8 less
     "self-draft": dict(a=0.93, step=0.011),
-    # the same pair as measured per position and per T (ms: 25.8, 28.2, 29.5, 31.1, 31.6, ...):
-    # acceptance falling with depth and a pass cost that is no line
+    # the same pair as measured (positions 1-5; passes at T = 1, 2, 4, 5, 8: 25.8, 28.2, 31.1,
+    # 31.6, 37.5 ms), the rest filled in: acceptance falling with depth, a pass cost no line
     "self-draft, measured": dict(a=[0.92, 0.91, 0.90, 0.87, 0.84, 0.80, 0.76, 0.72], step=0.0125, first=0.0145,
                                  passes=[0.0258, 0.0282, 0.0295, 0.0311, 0.0316, 0.0335, 0.0355, 0.0375, 0.0395]),
     "cheap and right": dict(a=0.97, step=0.002),  # the largest k pays most
