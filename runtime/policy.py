@@ -6,8 +6,9 @@ import numpy as np
 
 
 class PassCost:
-    """What a target pass costs as a function of its tokens T: v(T) = v1 + slope * (T - 1)
-    seconds, fitted by decayed least squares over the passes a generation runs.
+    """What a pass (the target's, or a draft's) costs as a function of its tokens T:
+    v(T) = v1 + slope * (T - 1) seconds, fitted by decayed least squares over the passes a
+    generation runs.
 
     Every verify pass is a measurement at its own T, so the T = 1 cost (the rate plain
     decoding would run at) is never one sample: the first step after a prefill, say, runs a
@@ -185,9 +186,8 @@ class DraftLength:
     def costs(self) -> tuple[float, float, np.ndarray]:
         """(first draft pass, draft step, verify pass at T = 1..max_k+1), in seconds once
         measured, else relative to a target pass."""
-        verify = self.passes.seconds(np.arange(1, self.max_k + 2)) if self.measure else \
-            1.0 + PassCost.PRIOR_SLOPE * np.arange(self.max_k + 1)
-        if self.measure and self.draft.measured:
+        verify = self.passes.seconds(np.arange(1, self.max_k + 2))  # relative until measured (never under sampling)
+        if self.draft.measured:
             step, first = self.draft.seconds([1, 2])
         else:
             step = first = self.cost_ratio * float(verify[0])
@@ -290,7 +290,7 @@ class TreeSize:
         self.hits = np.zeros(max_nodes)  # decayed: rounds the node of each rank was accepted
         self.trials = np.zeros(max_nodes)  # decayed: rounds it was verified
         self.passes = PassCost(max_tokens=max_nodes + 1)
-        self.lookup = 0.0  # the drafter's seconds per round (relative to a pass until one is measured)
+        self.lookup = 0.0  # the drafter's seconds per round, measured with the passes (0 before, and under sampling)
         self.probes = Probes()
         self._rounds = 0
 
@@ -338,10 +338,8 @@ class TreeSize:
             return 0
         n = min(size, self.max_nodes)
         tokens = 1.0 + np.cumsum(self.estimates(probs, n))  # N = 1..n
-        verify = self.passes.seconds(np.arange(1, n + 2)) if self.measure else \
-            1.0 + PassCost.PRIOR_SLOPE * np.arange(n + 1)
-        lookup = self.lookup if self.measure and self.passes.measured else 0.0
-        rates = tokens * verify[0] / (verify[1:] + lookup)
+        verify = self.passes.seconds(np.arange(1, n + 2))  # relative until measured (never under sampling)
+        rates = tokens * verify[0] / (verify[1:] + self.lookup)  # lookup: measured with the passes, else 0
         best = int(rates.argmax())
         if rates[best] < self.PAYS:
             return 1 if self.probes.due() else 0
