@@ -43,6 +43,25 @@ def main():
     """Export draft and target models into bundles; run lossless speculative decoding."""
 
 
+_own_process = False  # set by run(): the `specdeploy` command, whose ONNX Runtime sessions are all ours
+
+
+def run():
+    """The `specdeploy` command's entry point: `main` in a process of its own."""
+    global _own_process
+    _own_process = True
+    main()
+
+
+def _share_threads(threads: int | None) -> None:
+    """In a process of its own, the sessions run on one ONNX Runtime thread pool (a target and
+    its draft take turns on the same threads: runtime.backends.ort.share_cpu_threads)."""
+    if _own_process:
+        from specdeploy.runtime.backends.ort import share_cpu_threads
+
+        share_cpu_threads(threads)
+
+
 @main.command("export")
 @click.option("--target", required=True, help="Hugging Face model folder or .gguf file ('smollm2': the embedded default).")
 @click.option("--draft", default="ngram", show_default=True,
@@ -138,6 +157,7 @@ def generate(bundle, prompt, prompt_ids, chat, max_new_tokens, draft_len, tree_n
 
     if (prompt is None) == (prompt_ids is None):
         raise InputError("give exactly one of --prompt or --prompt-ids")
+    _share_threads(threads)
     session = Session(bundle, threads=threads, backend=backend, device=device, trt_ep=trt_ep)
     kwargs = dict(max_new_tokens=max_new_tokens, draft_len=draft_len, speculate=not no_speculate, chat=chat,
                   temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, stop=stop, tree_nodes=tree_nodes)
@@ -191,6 +211,7 @@ def bench(bundle, backend, device, trt_ep, draft_len, prompts, max_new_tokens, r
     if prompts is not None and not prompts.is_file():
         raise InputError(f"--prompts {prompts}: no such file")
     texts = read_prompts(prompts) if prompts else None
+    _share_threads(threads)
     report = run_bench(bundle, backend, draft_len, texts, max_new_tokens, repeats, chat=not no_chat,
                        threads=threads, log=lambda m: click.echo(m, err=True), device=device, trt_ep=trt_ep)
     click.echo(format_report(report))
@@ -232,7 +253,8 @@ def build(bundle, workspace_gb, timing_cache, roles):
 @click.option("--port", default=8000, show_default=True)
 @click.option("--workers", default=1, show_default=True, help="Sessions generating at once (each owns its KV buffers).")
 @click.option("--max-queue", default=8, show_default=True, help="Requests allowed to wait; past it: 503.")
-@click.option("--threads", type=int, help="ONNX Runtime intra-op threads per session.")
+@click.option("--threads", type=int, help="ONNX Runtime intra-op threads per session (one pool for target and draft "
+                                         "when --workers is 1).")
 @click.option("--model-name", help="Model name reported by the API (default: the bundle folder name).")
 @click.option("--max-body-bytes", default=4 << 20, show_default=True, help="Larger request bodies get 413 unread.")
 @click.option("--max-prompt-chars", type=int,
@@ -252,6 +274,8 @@ def serve(bundle, host, port, workers, max_queue, threads, model_name, max_body_
         raise InputError("--max-body-bytes and --max-prompt-chars must be >= 1")
     if (queue_timeout is not None and not queue_timeout > 0) or not 0 <= graceful_seconds < float("inf"):
         raise InputError("--queue-timeout must be > 0 and --graceful-seconds a finite number >= 0")
+    if workers == 1:  # several sessions at once keep pools of their own: none waits on another's threads
+        _share_threads(threads)
     click.echo(f"serving {bundle} on http://{host}:{port} ({workers} session(s), queue {max_queue})", err=True)
     run_server(str(bundle), host, port, workers, max_queue, threads, model_name, max_body_bytes=max_body_bytes,
                graceful_seconds=graceful_seconds, queue_timeout=queue_timeout, max_prompt_chars=max_prompt_chars,
@@ -333,6 +357,7 @@ def eval_cmd(bundle, prompts_file, max_new_tokens, draft_len, samples, alpha, ne
     prompts = read_prompts(prompts_file)
     if not prompts:
         raise InputError(f"--prompts {prompts_file}: no prompts in it")
+    _share_threads(None)
     session = Session(bundle)
     if chat and not session.tokenizer.chat_template:
         raise InputError(f"{bundle}: the bundle's tokenizer has no chat template; drop --chat or pass --no-chat")
@@ -392,8 +417,9 @@ def demo(out, draft, prompt, max_new_tokens, draft_len, dtype, repeats, rebuild)
 
     if repeats < 1:
         raise InputError(f"--repeats {repeats}: expected at least 1")
+    _share_threads(None)
     run_demo(out, draft, prompt, max_new_tokens, draft_len, rebuild, dtype, repeats)
 
 
 if __name__ == "__main__":
-    main()
+    run()

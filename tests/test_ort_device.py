@@ -179,7 +179,7 @@ def test_a_dtype_the_provider_cannot_run(bundles):
 
 
 def test_generate_on_cuda_here_prints_one_line_naming_what_is_missing(bundles):
-    cli = "from specdeploy.cli import main; main()"  # the installed `specdeploy` command's entry point
+    cli = "from specdeploy.cli import run; run()"  # the installed `specdeploy` command's entry point
     out = subprocess.run([sys.executable, "-c", cli, "generate", str(bundles(BUNDLE)), "--prompt", "hi", "--device", "cuda"],
                          capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert out.returncode == 1 and out.stdout == ""

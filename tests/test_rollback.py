@@ -1,4 +1,9 @@
 """Rollback is moving the length: slots past it are never read, buffers never move."""
+import json
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 
@@ -51,12 +56,61 @@ def test_kv_buffers_keep_their_addresses_for_a_whole_generation(bundles):
     assert session.target.kv_addresses() == target0
 
 
-def test_a_draft_session_does_not_spin_on_the_targets_cores(bundles):
-    """ONNX Runtime's idle threads spin by default; a draft's would spin through the target's
-    verify pass on the same cores. The target keeps the default."""
+def test_a_draft_on_a_pool_of_its_own_does_not_spin_on_the_targets_cores(bundles):
+    """Without a shared pool (this process has none) each session has its own; ONNX Runtime's
+    idle threads spin by default, and a draft's would spin through the target's verify pass
+    on the same cores. The target keeps the default."""
     session = Session(bundles("llama-model"))
     draft = session.drafter.engine.session.get_session_options()
+    assert draft.use_per_session_threads is True
     assert draft.get_session_config_entry("session.intra_op.allow_spinning") == "0"
     target = session.target.session.get_session_options()
     with pytest.raises(RuntimeError, match="does not have configuration"):
         target.get_session_config_entry("session.intra_op.allow_spinning")
+
+
+SHARED_POOL = """
+import sys
+import onnxruntime as ort
+from specdeploy.runtime import InputError, Session
+from specdeploy.runtime.backends.ort import share_cpu_threads
+
+bundle, how = sys.argv[1:]
+if how == "ours":
+    assert share_cpu_threads(2) == 2 and share_cpu_threads(2) == 2  # once made, asking again is a no-op
+    try:
+        share_cpu_threads(3)
+        raise SystemExit("a second width taken")
+    except InputError as e:
+        assert "cannot remake it 3 wide" in str(e), e
+else:  # other code of the process made it: our sessions find out and join it
+    ort.set_global_thread_pool_sizes(2, 1)
+session = Session(bundle)
+for engine in (session.target, session.drafter.engine):
+    assert engine.session.get_session_options().use_per_session_threads is False, engine.name
+for prompt in sys.stdin.read().splitlines():
+    plain = session.generate(prompt, max_new_tokens=24, speculate=False)
+    spec = session.generate(prompt, max_new_tokens=24, draft_len=4)
+    assert spec.token_ids == plain.token_ids and spec.stats.draft_passes > 0, prompt
+print("ok")
+"""
+
+
+@pytest.mark.parametrize("how", ["ours", "foreign"])
+def test_a_target_and_its_draft_on_one_thread_pool_decode_as_plain(bundles, how):
+    """share_cpu_threads (the `specdeploy` command calls it): the process's sessions share one
+    pool; the draft's steps and the verify passes on it still give plain decoding's tokens. A
+    pool other code made is joined, not fought. In a child process: the pool is for good."""
+    out = subprocess.run([sys.executable, "-c", SHARED_POOL, str(bundles("llama-model")), how], input="\n".join(PROMPTS[:4]),
+                         capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"}, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+
+
+def test_the_command_shares_one_pool_and_decodes_as_plain(bundles):
+    cli = "from specdeploy.cli import run; run()"  # the installed `specdeploy` command's entry point
+    args = ["generate", str(bundles("llama-model")), "--prompt", PROMPTS[1], "--max-new-tokens", "20", "--json"]
+    out = subprocess.run([sys.executable, "-c", cli, *args, "--draft-len", "3"], capture_output=True, text=True,
+                         env={**os.environ, "HF_HUB_OFFLINE": "1"}, timeout=300)
+    assert out.returncode == 0, out.stderr
+    plain = Session(bundles("llama-model")).generate(PROMPTS[1], max_new_tokens=20, speculate=False)
+    assert json.loads(out.stdout)["token_ids"] == plain.token_ids

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import warnings
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -58,21 +59,63 @@ CUDA_LIBRARIES = ("onnxruntime-gpu needs the CUDA and cuDNN libraries it was bui
                   "pip install 'onnxruntime-gpu[cuda,cudnn]', or import torch first")
 
 
-def session_options(threads: int | None = None, spinning: bool = True) -> ort.SessionOptions:
-    """`spinning`: whether the intra-op threads spin a while after each run, waiting for the
-    next (ONNX Runtime's default). A draft's must not: after its step they would spin on the
-    very cores the target's verify pass needs. Measured on 2 cores, SmolLM2 int4 target with a
-    1-layer int8 draft: a T = 2 verify right after a draft step took 18.7 ms with the draft
-    spinning and 10.1 ms without (a plain T = 1 step: 8.8-9.4 ms)."""
+def session_options(threads: int | None = None, spinning: bool = True, shared: bool = False) -> ort.SessionOptions:
+    """`shared`: the session runs on the process's one intra-op thread pool (see
+    share_cpu_threads); otherwise on a pool of its own, `threads` wide. `spinning` (a pool of its own only):
+    whether its threads spin a while after each run, waiting for the next (ONNX Runtime's
+    default). A draft's must not: after its step they would spin on the very cores the
+    target's verify pass needs. Measured on 2 cores, SmolLM2 int4 target with a 1-layer int8
+    draft: a T = 2 verify right after a draft step took 18.7 ms with the draft spinning and
+    10.1 ms without (a plain T = 1 step: 8.8-9.4 ms)."""
     so = ort.SessionOptions()
-    if not spinning:
-        so.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    if shared:
+        so.use_per_session_threads = False  # and no thread counts: the pool's are fixed
+    else:
+        if not spinning:
+            so.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        so.intra_op_num_threads = threads or os.cpu_count() or 1
+        so.inter_op_num_threads = 1
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-    so.intra_op_num_threads = threads or os.cpu_count() or 1
-    so.inter_op_num_threads = 1
     so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
     so.log_severity_level = 4  # fatal only: a graph that fails to load is our one-line error, not its log
     return so
+
+
+_pool_lock = threading.Lock()
+_pool_threads: int | None = None  # the process's shared pool once made (0: made by other code, width unknown)
+FOREIGN_POOL = "use_per_session_threads must be false"  # onnxruntime's refusal once any global pool exists
+
+
+def share_cpu_threads(threads: int | None = None) -> int:
+    """Run every ONNX Runtime session of this process on one intra-op thread pool, `threads`
+    wide (None: every core), and return its width. For good: ONNX Runtime makes the pool once
+    and never resizes it, and from then on refuses any session of the process, ours or not,
+    that asks for threads of its own. So call it once, before loading a bundle, in a process
+    whose ONNX Runtime sessions are all ours (the `specdeploy` command does; a service that
+    embeds Session decides for itself). Without it each session has a pool of its own.
+
+    Why: a target and its draft take turns on the same cores, pass after pass. On pools of
+    their own, either the draft's threads sleep between its steps (each of a step's hundreds
+    of parallel sections then waits for them to wake) or they spin through the target's
+    verify pass (see session_options). On one pool the threads that ran a draft step spin
+    straight into the next step, or into the verify pass. Measured on 2 cores, SmolLM2 fp32
+    target with its int4 self-draft, rounds of 4 draft steps and a 5-token verify (scratch
+    runs, medians over 27 rounds, 3 runs each): 87-93 ms a round on one pool against 99-103 ms
+    on two (a draft step 13-14 ms against 16-17 ms; the verify 34-35 ms either way)."""
+    global _pool_threads
+    want = threads or os.cpu_count() or 1
+    with _pool_lock:
+        if _pool_threads is None:
+            try:
+                ort.set_global_thread_pool_sizes(want, 1)
+            except Exception:  # onnxruntime's Fail: made already, by other code of this process
+                _pool_threads = 0
+                raise InputError("this process's ONNX Runtime thread pool was made elsewhere; its width is not ours to set") from None
+            _pool_threads = want
+        elif _pool_threads != want:
+            raise InputError(f"this process's ONNX Runtime sessions share a pool of {_pool_threads or 'unknown'} threads; "
+                             f"ONNX Runtime cannot remake it {want} wide")
+        return _pool_threads
 
 
 @dataclass(frozen=True)
@@ -207,11 +250,21 @@ def _load(graph_path: Path, spec: ModelSpec, max_seq: int, threads: int | None, 
     fallback: TensorRT -> CUDA, captured -> uncaptured, each logged), or a one-line error naming
     the file: a graph ONNX Runtime cannot load, a provider that did not load, inputs and
     outputs that are not the graph contract's."""
-    so = session_options(threads, spinning)
+    global _pool_threads
+    shared = _pool_threads is not None
+    if shared and threads and _pool_threads and threads != _pool_threads:
+        log.warning(f"{graph_path.name}: threads={threads} not taken: this process's sessions share a pool of {_pool_threads}")
+    so = session_options(threads, spinning, shared)
     while True:
         try:
             session = _create(graph_path, so, placement, spec, max_seq)
         except Exception as e:  # InvalidProtobuf, Fail, InvalidGraph, NoSuchFile, EP errors: onnxruntime's own types
+            if not shared and FOREIGN_POOL in str(e):  # other code of this process made a shared pool
+                with _pool_lock:
+                    _pool_threads = _pool_threads or 0
+                shared = True
+                so = session_options(threads, spinning, shared)
+                continue
             fallback = placement.fallback()
             if fallback is None and placement.device.kind == "cpu":
                 raise BundleError(f"{graph_path}: ONNX Runtime cannot load this graph ({_reason(e)}); re-export the bundle") from None
@@ -478,4 +531,4 @@ def _run_options(graph_id: int) -> ort.RunOptions:
     return options
 
 
-__all__ = ["OrtEngine", "PROVIDER_DTYPES", "Placement", "check_placement", "session_options", "trt_options"]
+__all__ = ["OrtEngine", "PROVIDER_DTYPES", "Placement", "check_placement", "session_options", "share_cpu_threads", "trt_options"]
