@@ -1,7 +1,7 @@
 """Decode-only speedup per prompt, plain and each draft length alternating in one session.
 
     python benchmarks/decode_ratio.py BUNDLE [BUNDLE ...] [--prompts FILE] [--limit N]
-        [--draft-len 3,4,auto] [--max-new-tokens N] [--repeats R]
+        [--draft-len 3,4,auto] [--max-new-tokens N] [--repeats R] [--thread-pools shared|own|both]
 
 For each prompt (chat template applied), R times: one plain generation, then one per draft
 length, each checked token for token against plain; a prompt's ratio is the median of its R
@@ -11,6 +11,11 @@ draft length, the median ratio over prompts, the median acceptance and tokens pe
 With several bundles, each prompt's runs go through every bundle in turn (the rows of one
 bundle compare with another's measured side by side), and each bundle's plain decoding
 tok/s is reported beside its ratios.
+
+`--thread-pools`: the sessions run on the process's one ONNX Runtime pool (`shared`, as the
+`specdeploy` command runs them), on pools of their own (`own`), or `both`: each bundle loaded
+twice, first on pools of its own, then (the shared pool made) on the shared one, the two run
+side by side as two bundles.
 """
 from __future__ import annotations
 
@@ -19,6 +24,7 @@ import statistics
 from pathlib import Path
 
 from specdeploy.runtime import Session
+from specdeploy.runtime.backends.ort import share_cpu_threads
 from specdeploy.runtime.bench import read_prompts
 
 HERE = Path(__file__).parent
@@ -32,8 +38,15 @@ def main() -> None:
     ap.add_argument("--draft-len", default="3,auto")
     ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--thread-pools", choices=["shared", "own", "both"], default="shared")
     args = ap.parse_args()
-    sessions = {b: Session(b, prompt_cache=False) for b in args.bundles}  # every run prefills its prompt
+    load = lambda b: Session(b, prompt_cache=False)  # noqa: E731 every run prefills its prompt
+    sessions = {f"{b} (own pools)": load(b) for b in args.bundles} if args.thread_pools == "both" else {}
+    if args.thread_pools == "own":
+        sessions = {b: load(b) for b in args.bundles}
+    else:
+        share_cpu_threads()
+        sessions |= {b: load(b) for b in args.bundles}
     lens = [k if k == "auto" else int(k) for k in args.draft_len.split(",")]
     rows = {(b, k): [] for b in sessions for k in lens}
     plain_rates = {b: [] for b in sessions}

@@ -12,6 +12,7 @@ from specdeploy.core.errors import BundleError, ExportError, InputError, Specdep
 from .stats import Stats
 from .pool import Overloaded, SessionPool
 from .session import Generation, Piece, Result, Session
+from .backends.ort import share_cpu_threads
 
 __all__ = [
     "Bundle",
@@ -27,4 +28,5 @@ __all__ = [
     "SpecdeployError",
     "Stats",
     "load_bundle",
+    "share_cpu_threads",
 ]

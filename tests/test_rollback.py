@@ -73,7 +73,7 @@ SHARED_POOL = """
 import sys
 import onnxruntime as ort
 from specdeploy.runtime import InputError, Session
-from specdeploy.runtime.backends.ort import share_cpu_threads
+from specdeploy.runtime import share_cpu_threads
 
 bundle, how = sys.argv[1:]
 if how == "ours":
