@@ -2,7 +2,8 @@
 
 `specdeploy triton-repo` writes this file as the model's model.py; config.pbtxt's parameters
 name the bundle, the backend and the threads. Triton starts one process per instance; each
-loads the bundle once (a Session: its engines and KV buffers) and runs one request at a time,
+loads the bundle once (a Session: its engines and KV buffers, on the CPU one thread pool for
+both: see share_cpu_threads) and runs one request at a time,
 while Triton queues the others. The model is decoupled: with `stream` true it sends one
 response per round (the text that round completed and its token ids), otherwise one
 response with the whole answer; the last response carries `finish_reason` and `stats`.
@@ -17,7 +18,7 @@ from pathlib import Path
 import triton_python_backend_utils as pb_utils
 
 from specdeploy.core.errors import InputError, SpecdeployError
-from specdeploy.runtime import triton
+from specdeploy.runtime import share_cpu_threads, triton
 from specdeploy.runtime.session import Session
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
@@ -30,6 +31,8 @@ class TritonPythonModel:
             config, Path(args["model_repository"]) / args["model_version"])
         if args["model_instance_kind"] == "GPU":
             triton.select_gpu(int(args["model_instance_device_id"]))  # before any CUDA work in this process
+        if settings.backend == "ort":  # a process of its own: its target and draft take turns on one pool
+            share_cpu_threads(settings.threads)
         self.session = Session(settings.bundle, threads=settings.threads, backend=settings.backend)
         self.limits = triton.Limits.of(self.session)
         pb_utils.Logger.log_info(f"{args['model_instance_name']}: {settings.bundle} loaded ({settings.backend})")
