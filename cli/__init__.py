@@ -157,7 +157,8 @@ def generate(bundle, prompt, prompt_ids, chat, max_new_tokens, draft_len, tree_n
 
     if (prompt is None) == (prompt_ids is None):
         raise InputError("give exactly one of --prompt or --prompt-ids")
-    _share_threads(threads)
+    if backend == "ort":
+        _share_threads(threads)
     session = Session(bundle, threads=threads, backend=backend, device=device, trt_ep=trt_ep)
     kwargs = dict(max_new_tokens=max_new_tokens, draft_len=draft_len, speculate=not no_speculate, chat=chat,
                   temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, stop=stop, tree_nodes=tree_nodes)
@@ -211,7 +212,8 @@ def bench(bundle, backend, device, trt_ep, draft_len, prompts, max_new_tokens, r
     if prompts is not None and not prompts.is_file():
         raise InputError(f"--prompts {prompts}: no such file")
     texts = read_prompts(prompts) if prompts else None
-    _share_threads(threads)
+    if backend == "ort":
+        _share_threads(threads)
     report = run_bench(bundle, backend, draft_len, texts, max_new_tokens, repeats, chat=not no_chat,
                        threads=threads, log=lambda m: click.echo(m, err=True), device=device, trt_ep=trt_ep)
     click.echo(format_report(report))

@@ -72,8 +72,7 @@ def test_a_draft_on_a_pool_of_its_own_does_not_spin_on_the_targets_cores(bundles
 SHARED_POOL = """
 import sys
 import onnxruntime as ort
-from specdeploy.runtime import InputError, Session
-from specdeploy.runtime import share_cpu_threads
+from specdeploy.runtime import InputError, Session, share_cpu_threads
 
 bundle, how = sys.argv[1:]
 if how == "ours":

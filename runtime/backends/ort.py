@@ -61,9 +61,9 @@ CUDA_LIBRARIES = ("onnxruntime-gpu needs the CUDA and cuDNN libraries it was bui
 
 def session_options(threads: int | None = None, spinning: bool = True, shared: bool = False) -> ort.SessionOptions:
     """`shared`: the session runs on the process's one intra-op thread pool (see
-    share_cpu_threads); otherwise on a pool of its own, `threads` wide. `spinning` (a pool of its own only):
-    whether its threads spin a while after each run, waiting for the next (ONNX Runtime's
-    default). A draft's must not: after its step they would spin on the very cores the
+    share_cpu_threads); otherwise on a pool of its own, `threads` wide. `spinning` (a pool of
+    its own only): whether its threads spin a while after each run, waiting for the next (ONNX
+    Runtime's default). A draft's must not: after its step they would spin on the very cores the
     target's verify pass needs. Measured on 2 cores, SmolLM2 int4 target with a 1-layer int8
     draft: a T = 2 verify right after a draft step took 18.7 ms with the draft spinning and
     10.1 ms without (a plain T = 1 step: 8.8-9.4 ms)."""
