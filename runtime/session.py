@@ -295,7 +295,7 @@ class Session:
             raise InputError(f"tree nodes {n} is outside [1, {MAX_TREE_NODES}] (1: chains)")
         draft_auto = draft_len in (None, "auto")
         if n == 1 or (auto and not draft_auto) or (auto and not self.tree_capable()):
-            if draft_auto and getattr(drafter, "engine", "no attribute") is None:
+            if draft_auto and drafter.engine is None:
                 # a model-free drafter's chains: look up first, then choose how much to verify
                 return TreeSize(self.bundle.max_draft, measure=params.greedy, chains=True).carry_from(self._auto_tree)
             return None

@@ -77,7 +77,7 @@ def test_mistral_sliding_window_is_exercised(bundles, models):
     seq = np.array(ids + plain.token_ids)
 
     class Oracle:
-        cost_ratio, passes, seconds, caught_up, first_seconds = 0.1, 0, 0.0, 0, 0.0
+        engine, cost_ratio, passes, seconds, caught_up, first_seconds = None, 0.1, 0, 0.0, 0, 0.0
 
         def reset(self):
             pass
