@@ -105,6 +105,11 @@ def check_pass(name: str, token_ids: np.ndarray, start: int, max_seq: int, vocab
         raise InputError(
             f"{name}: positions {start}..{start + t - 1} are outside the KV buffer [0, {max_seq}) (max sequence {max_seq})"
         )
+    if t == 1:  # a single step, the common pass: no array temporaries
+        if 0 <= int(token_ids[0]) < vocab_size:
+            return
+    elif int(token_ids.min()) >= 0 and int(token_ids.max()) < vocab_size:
+        return
     bad = np.flatnonzero((token_ids < 0) | (token_ids >= vocab_size))
     if bad.size:
         i = int(bad[0])

@@ -76,8 +76,10 @@ def speculative_round(
             draft_tokens, draft_probs = ids[:0], None
         t0 = time.perf_counter()
         target_logits = target.forward(np.concatenate([ids[-1:], draft_tokens]), ids.shape[0] - 1)  # [k'+1, V]
-        checked = Checked(draft_tokens, draft_probs, target_logits, verify_seconds=time.perf_counter() - t0)
-        check_finite(target, target_logits, ids.shape[0] - 1)
+        verify = time.perf_counter() - t0
+        tokens = target_logits.argmax(axis=-1) if params.greedy else None
+        check_finite(target, target_logits, ids.shape[0] - 1, tokens)
+        checked = Checked(draft_tokens, draft_probs, target_logits, tokens, verify_seconds=verify)
     stats.verify_seconds += checked.verify_seconds
     stats.target_passes += 1
     n_accepted, next_token = accept(checked, params, rng)
@@ -133,10 +135,18 @@ def tree_round(
 EMPTY_TREE = DraftTree(np.empty(0, dtype=np.int64), np.empty(0, dtype=np.int64), np.empty(0))
 
 
-def check_finite(target: Engine, target_logits: np.ndarray, start: int) -> None:
+def check_finite(target: Engine, target_logits: np.ndarray, start: int, argmax: np.ndarray | None = None) -> None:
     """Stop on logits that are NaN or +inf (or a row that is all -inf): altered weights or a
-    broken graph, which would otherwise decode as token 0 over and over."""
-    row_max = target_logits.max(axis=-1)
+    broken graph, which would otherwise decode as token 0 over and over.
+
+    `argmax`: the rows' argmaxes, where the caller has them (greedy): numpy's argmax stops at
+    a row's first NaN, so the values at the argmaxes are exactly the rows' maxima (NaN where
+    a row has one), read without a second pass over every logit.
+    """
+    if argmax is None:
+        row_max = target_logits.max(axis=-1)
+    else:
+        row_max = target_logits[np.arange(argmax.shape[0]), argmax]
     bad = np.flatnonzero(~np.isfinite(row_max))
     if bad.size:
         raise BundleError(

@@ -65,6 +65,38 @@ def test_engine_boundary_names_tensor_and_range(bundles):
         session.target.forward([1] * 10, 120)
     with pytest.raises(InputError, match=r"token id 320 at input position 1 is outside the vocabulary \[0, 320\)"):
         session.target.forward([1, 320], 0)
+    for one in (320, -1):  # a single step has a path of its own
+        with pytest.raises(InputError, match=rf"token id {one} at input position 0 is outside the vocabulary"):
+            session.target.forward([one], 5)
+    with pytest.raises(InputError, match=r"token id -2 at input position 2"):
+        session.target.forward([0, 319, -2], 0)
+
+
+def test_non_finite_check_reads_the_argmaxes_as_the_row_maxima():
+    """check_finite given the rows' argmaxes (greedy) refuses exactly the rows the full
+    maximum refuses: NaN anywhere, +inf, a row that is all -inf."""
+    import numpy as np
+
+    from specdeploy.core.errors import BundleError
+    from specdeploy.runtime.loop import check_finite
+
+    class Target:
+        name = "target"
+
+    nan, inf = np.nan, np.inf
+    rows = [[0.5, 2.0, 1.0], [nan, 2.0, 1.0], [0.5, 2.0, nan], [inf, 2.0, 1.0], [0.5, inf, nan],
+            [-inf, -inf, -inf], [-inf, -inf, 3.0], [2.0, 2.0, -inf]]
+    for row in rows:
+        logits = np.array([[0.0, 1.0, 0.0], row], dtype=np.float32)
+        verdicts = []
+        for argmax in (None, logits.argmax(axis=-1)):
+            try:
+                check_finite(Target(), logits, 7, argmax)
+                verdicts.append("ok")
+            except BundleError as e:
+                verdicts.append(str(e))
+        assert verdicts[0] == verdicts[1], (row, verdicts)
+        assert (verdicts[0] == "ok") == bool(np.isfinite(max(row)) and not np.isnan(row).any()), (row, verdicts)
 
 
 def test_missing_bundle_file(bundle_copy):

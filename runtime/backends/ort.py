@@ -328,8 +328,12 @@ class _Stage:
         for name, dtype in self.INPUTS:
             start = self.offsets[name]
             self.host_views[name] = self.host[start : start + sizes[name] * np.dtype(dtype).itemsize].view(dtype)
-        self.value = _allocate(self.host.shape, np.uint8, device)
+        self.steps = np.arange(t, dtype=np.int64)
+        self.on_host = device.kind == "cpu"
+        # On the CPU the inputs are the host buffer itself (nothing to send) and the logits a view.
+        self.value = ort.OrtValue.ortvalue_from_numpy(self.host) if self.on_host else _allocate(self.host.shape, np.uint8, device)
         self.logits = _allocate((1, t, vocab_size), np.float32, device)  # [1, T, V]
+        self.logits_view = self.logits.numpy()[0] if self.on_host else None
 
     def stage(self, token_ids: np.ndarray, start: int, window: int, sliding_window: int | None,
               tree: "TreeLayout | None" = None) -> None:
@@ -341,12 +345,18 @@ class _Stage:
         v["write_indices"][0] = start
         mask = v["attention_mask"][: t * window].reshape(t, window)
         if tree is None:
-            v["position_ids"][:] = np.arange(start, start + t)
+            np.add(self.steps, start, out=v["position_ids"])
             fill_mask(mask, start, sliding_window)
         else:
             v["position_ids"][:] = start + tree.offsets
             fill_tree_mask(mask, start, tree.visible)
-        self.value.update_inplace(self.host)
+        if not self.on_host:
+            self.value.update_inplace(self.host)
+
+    def read_logits(self) -> np.ndarray:
+        """The pass's logits [T, V] on the host: on a GPU its one device-to-host copy; on the
+        CPU the buffer itself."""
+        return self.logits_view if self.on_host else self.logits.numpy()[0]
 
     def bind(self, binding: ort.IOBinding) -> None:
         """Bind this T's token inputs and its logits buffer (the mask: `bind_mask`)."""
@@ -460,7 +470,8 @@ class OrtEngine:
             stage = self._stages[t] = _Stage(t, self.max_seq, self.vocab_size, self.placement.device)
         stage.stage(token_ids, start, window, self.spec.sliding_window, tree)
         binding, run_options = self._graph(stage, window) if captured else self._rebind(stage, window)
-        binding.synchronize_inputs()  # update_inplace copied from pageable memory: the device has it before the run
+        if not stage.on_host:
+            binding.synchronize_inputs()  # update_inplace copied from pageable memory: the device has it before the run
         try:
             if run_options is None:  # a session that captures nothing
                 self.session.run_with_iobinding(binding)
@@ -469,7 +480,7 @@ class OrtEngine:
         except RuntimeError as e:  # onnxruntime's run errors: the graph and the manifest disagree, or the device failed
             raise BundleError(f"{self.name}: ONNX Runtime failed a pass of {t} tokens at {start} "
                               f"({_reason(e)})") from None
-        return stage.logits.numpy()[0]  # on a GPU the pass's one device-to-host copy; on the CPU a view
+        return stage.read_logits()
 
     def move_kv(self, source: np.ndarray, start: int) -> None:
         """Copy the K/V at slots `source` [m] to slots start..start+m-1 in every buffer (a tree
