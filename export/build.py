@@ -22,7 +22,7 @@ from specdeploy.core.manifest import ATTENTIONS, MANIFEST, Manifest, ModelSpec, 
 from .drafts import parse_draft
 from .graph import SpecGraph, restrict_head
 from .load import Source, eos_token_ids, load_source, source_digest
-from .onnx_export import DTYPES, KV_DTYPES, check_parity, export_onnx
+from .onnx_export import DTYPES, KV_DTYPES, PARITY_TEXT, check_parity, export_onnx
 from .quantize import QUANT_SCHEMES, SCHEMES, quantize_model
 
 VERSION = "0.1.0"
@@ -107,9 +107,11 @@ def _export_model(
     # A quantized graph is compared with its own eager module (dequantized weights, int8
     # activation blocks as MatMulNBits computes them), not with the float source: it is
     # another model. GGUF blocks imported exactly were checked tensor by tensor on import.
+    quantized = graph.quantization is not None
     parity = check_parity(
         graph, work / graph_file, spec, max_seq, max_draft, prefill_chunk, dtype,
-        hf_model=source.model if full_model and graph.quantization is None else None,
+        hf_model=source.model if full_model and not quantized else None,
+        text_ids=source.tokenizer.encode(PARITY_TEXT) if quantized else None,
     )
     log(f"  {role}: parity ok (max relative logit difference {parity['max_rel_diff_ort_vs_eager']:.1e})")
     return spec.replace(parity=parity)

@@ -14,7 +14,7 @@ from specdeploy.core.errors import ExportError
 
 from .graph import OPSET, SpecGraph, kv_write, kv_write_onnx
 from .contrib import group_query_attention_onnx, rotary_onnx, skip_rms_norm_onnx
-from .quantize import matmul_nbits_onnx
+from .quantize import gather_block_quantized_onnx, matmul_nbits_onnx
 
 # --dtype -> the float type of the graph's activations and KV cache. int8/int4 are
 # weight-only (export/quantize.py): activations and the KV cache stay float32.
@@ -25,10 +25,20 @@ KV_DTYPES = {"fp32": "float32", "fp16": "float16", "int8": "float32", "int4": "f
 # (a single node matches it to 1e-6, tests/test_quant.py), but rounding is discontinuous:
 # ONNX Runtime's fused float ops (layer norm, SiLU, attention scale) differ from eager in
 # the last bits, a value that lands on the other side of a rounding boundary moves by one
-# int8 step, and over 30 layers of random-token inputs that compounds (0.11 measured on
-# SmolLM2). The bound catches a wrong graph (a packing error is O(1)); the quality table
-# (benchmarks/quant_quality.py) measures the quantized model on real text.
+# int8 step, and over 30 layers that compounds. Random token ids compound it most: on
+# SmolLM2 int4 (fast scheme, 30 layers) 0.075 with a float embedding and 0.42 with the
+# 4-bit one, where the same graphs differ by 0.04-0.06 on text. So the int graphs' passes
+# read text (PARITY_TEXT): there the fast graph gives 0.039 and the same graph with its
+# embedding's nibbles swapped in eager 1.05. The bound catches a wrong graph; the quality
+# table (benchmarks/quant_quality.py) measures the quantized model against fp32.
 PARITY_RTOL = {"fp32": 1e-4, "fp16": 2e-2, "int8": 0.25, "int4": 0.25}
+# The text the int graphs' parity passes read (its token ids, repeated to the schedule's length).
+PARITY_TEXT = (
+    "A speculative decoder drafts a few tokens cheaply, then the target model checks them all in one "
+    "pass and keeps the longest prefix it agrees with. The output is the target's own: greedy decoding "
+    "gives the same tokens, sampling the same distribution. Whether it pays depends on how often the "
+    "draft is right and on what a draft step costs next to a verify pass."
+)
 
 
 def kv_buffers(graph: SpecGraph, max_seq: int, dtype: torch.dtype) -> list[torch.Tensor]:
@@ -76,6 +86,7 @@ def export_onnx(graph: SpecGraph, path: Path, max_seq: int, kv_dtype: torch.dtyp
             custom_translation_table={
                 torch.ops.specdeploy.kv_write.default: kv_write_onnx,
                 torch.ops.specdeploy.matmul_nbits.default: matmul_nbits_onnx,
+                torch.ops.specdeploy.gather_block_quantized.default: gather_block_quantized_onnx,
                 torch.ops.specdeploy.rotary.default: rotary_onnx,
                 torch.ops.specdeploy.skip_rms_norm.default: skip_rms_norm_onnx,
                 torch.ops.specdeploy.group_query_attention.default: group_query_attention_onnx,
@@ -185,12 +196,14 @@ def check_parity(
     dtype: str,
     hf_model=None,
     seed: int = 0,
+    text_ids: np.ndarray | None = None,
 ) -> dict:
     """Run the same passes through ONNX Runtime and PyTorch eager; compare every logit.
 
-    With `hf_model`, eager is also checked against the source model's own forward over
-    the whole sequence (the slow reference). Returns the max differences; raises on a
-    difference past PARITY_RTOL.
+    The passes read random token ids, or with `text_ids` (repeated as needed) a text's:
+    the quantized graphs' check (PARITY_RTOL). With `hf_model`, eager is also checked
+    against the source model's own forward over the whole sequence (the slow reference).
+    Returns the max differences; raises on a difference past PARITY_RTOL.
     """
     from specdeploy.runtime.backends.ort import OrtEngine
 
@@ -200,7 +213,10 @@ def check_parity(
     rng = np.random.default_rng(seed)
     schedule = parity_schedule(max_seq, max_draft, prefill_chunk)
     total = sum(t for _, t in schedule)
-    ids = rng.integers(0, spec.vocab_size, size=total)
+    if text_ids is None or not len(text_ids):
+        ids = rng.integers(0, spec.vocab_size, size=total)
+    else:
+        ids = np.resize(np.asarray(text_ids, dtype=np.int64), total)
     graph.inplace = True
     worst_ort = worst_hf = 0.0
     eager_rows = []
@@ -244,4 +260,4 @@ def check_parity(
 
 
 
-__all__ = ["DTYPES", "check_parity", "export_onnx", "io_names", "kv_write"]
+__all__ = ["DTYPES", "PARITY_TEXT", "check_parity", "export_onnx", "io_names", "kv_write"]

@@ -6,9 +6,11 @@ scale, and a zero point or a minimum):
     int4   4-bit, asymmetric: w = d * q + m, q in 0..15 (GGUF's Q4_1; Q4_0 is d * (q - 8))
     int8   8-bit, symmetric:  w = d * (q - 128), q in 0..255 (GGUF's Q8_0)
 
-The output head is always int8: it is a fifth of a small model's compute and the logits
-decide every token, so it keeps the finer grid. Embeddings stay float (a lookup reads
-one row per token; quantizing it saves file size, not time). The KV cache stays float.
+Under the exact scheme (QUANT_SCHEMES) the output head is int8: it is a fifth of a small
+model's compute and the logits decide every token, so it keeps the finer grid, and the
+token embedding stays float. The fast scheme puts both in 4 bits, the embedding in the
+tied head's own blocks (a lookup reads one row per token: mostly a smaller file). The KV
+cache stays float.
 
 Where the source is a GGUF file whose tensors already hold the scheme's blocks, they are
 imported exactly: each block's scale, minimum and 4-/8-bit values are repacked, never
@@ -45,10 +47,12 @@ HEAD_BITS = 8
 #   exact  the source's own blocks where it has them (a GGUF's Q4_0/Q4_1/Q8_0, imported
 #          unchanged), else round to nearest with a float minimum (Q4_1's form); head int8
 #   fast   round to nearest from the float weights with the form ONNX Runtime's kernels run
-#          fastest (symmetric: no minimum term, no zero points), the head in the same bits
+#          fastest (symmetric: no minimum term, no zero points), the head in the same bits,
+#          and the token embedding in the head's 4-bit blocks (GatherBlockQuantized; tied
+#          weights share them)
 QUANT_SCHEMES = {
-    "exact": {"source_blocks": True, "zero": "min", "head_bits": HEAD_BITS},
-    "fast": {"source_blocks": False, "zero": "none", "head_bits": None},  # None: the linears' bits
+    "exact": {"source_blocks": True, "zero": "min", "head_bits": HEAD_BITS, "embedding_bits": None},
+    "fast": {"source_blocks": False, "zero": "none", "head_bits": None, "embedding_bits": 4},  # None: the linears' bits
 }
 PROJECTIONS = {  # HF module path within a layer -> GGUF tensor name within blk.N
     "self_attn.q_proj": "attn_q",
@@ -242,6 +246,52 @@ class QuantLinear(nn.Module):
         return y
 
 
+@torch.library.custom_op("specdeploy::gather_block_quantized", mutates_args=())
+def gather_block_quantized(packed: torch.Tensor, ids: torch.Tensor, scales: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """The rows `ids` of a symmetric 4-bit table [N, K] (packed as MatMulNBits' B: two
+    values a byte, low nibble first; one scale per block of 32; zero point 8), dequantized:
+    the eager meaning of GatherBlockQuantized (gather_axis 0, quantize_axis 1)."""
+    nb = k // BLOCK
+    rows = packed.reshape(n, k // 2)[ids]  # [..., K/2]
+    q = torch.stack([rows & 0x0F, rows >> 4], dim=-1).reshape(*ids.shape, nb, BLOCK)
+    return ((q.float() - 8) * scales.reshape(n, nb)[ids][..., None]).reshape(*ids.shape, k)
+
+
+@gather_block_quantized.register_fake
+def _(packed, ids, scales, n, k):
+    return scales.new_empty((*ids.shape, k))
+
+
+def gather_block_quantized_onnx(packed, ids, scales, n, k):
+    from onnxscript import values
+
+    register_schema(
+        "GatherBlockQuantized",
+        [("data", "T1"), ("indices", "Tind"), ("scales", "T2")],
+        {"T1": ["tensor(uint8)"], "Tind": ["tensor(int64)", "tensor(int32)"], "T2": ["tensor(float)", "tensor(float16)"]},
+        {"gather_axis": "INT", "quantize_axis": "INT", "block_size": "INT", "bits": "INT"},
+        outputs=[("output", "T2")],
+    )
+    std = values.Opset("", 18)
+    data = std.Reshape(packed, std.Constant(value_ints=[n, k // 2]))
+    table_scales = std.Reshape(scales, std.Constant(value_ints=[n, k // BLOCK]))
+    return contrib("GatherBlockQuantized")(data, ids, table_scales, gather_axis=0, quantize_axis=1, block_size=BLOCK, bits=4)
+
+
+class QuantEmbedding(nn.Module):
+    """A token embedding over symmetric 4-bit blocks (a lookup of one row per token, dequantized
+    on the fly): the tied head's own blocks, or the embedding's."""
+
+    def __init__(self, packed: torch.Tensor, scales: torch.Tensor, n: int, k: int):
+        super().__init__()
+        self.num_embeddings, self.embedding_dim = n, k
+        self.register_buffer("packed", packed)
+        self.register_buffer("scales", scales)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return gather_block_quantized(self.packed, ids, self.scales, self.num_embeddings, self.embedding_dim)
+
+
 def _llama_rows(n: int, heads: int) -> np.ndarray:
     """The row order transformers restores for a llama GGUF's attn_q / attn_k (llama.cpp's
     converter interleaves each head's rotary halves)."""
@@ -341,6 +391,13 @@ def quantize_model(model: nn.Module, scheme: str, gguf_path: Path | None = None,
     head_name = "token_embd.weight" if tied or (source and "output.weight" not in source.tensors) else "output.weight"
     blocks, bias = blocks_for(model.lm_head, head_name, plan["head_bits"], None, "lm_head")
     model.lm_head = QuantLinear(blocks, bias)
+    embedding = "float32"
+    if plan["embedding_bits"]:
+        table = model.lm_head if tied and blocks.bits == 4 and model.lm_head.zero_points is None and blocks.mins is None \
+            else QuantLinear(quantize_float(model.model.embed_tokens.weight.detach().float().numpy(), 4, "none"), None)
+        n, k = table.out_features, table.in_features
+        model.model.embed_tokens = QuantEmbedding(table.packed, table.scales, n, k)
+        embedding = "int4 (the head's blocks)" if table is model.lm_head else "int4"
     imported = sum(v for key, v in counts.items() if not key.startswith("float"))
     return {
         "scheme": scheme,
@@ -351,7 +408,7 @@ def quantize_model(model: nn.Module, scheme: str, gguf_path: Path | None = None,
         "accuracy_level": ACCURACY_LEVEL,
         "linear_bits": bits,
         "head_bits": plan["head_bits"],
-        "embedding": "float32",
+        "embedding": embedding,
         "tensors": dict(sorted(counts.items())),  # "<origin>-><int bits>": count
         "imported_exactly": imported,
         "quantized_from_float": sum(counts.values()) - imported,
@@ -359,4 +416,5 @@ def quantize_model(model: nn.Module, scheme: str, gguf_path: Path | None = None,
     }
 
 
-__all__ = ["Blocks", "QuantLinear", "SCHEMES", "gguf_blocks", "matmul_nbits", "quantize_float", "quantize_model"]
+__all__ = ["Blocks", "QuantEmbedding", "QuantLinear", "SCHEMES", "gather_block_quantized", "gguf_blocks", "matmul_nbits",
+           "quantize_float", "quantize_model"]

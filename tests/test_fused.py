@@ -198,8 +198,32 @@ def test_fast_int4_fused_target_runs_and_records_its_scheme(fused_bundles):
     path = fused_bundles("int4-fast-fused")
     q = json.loads((path / "manifest.json").read_text())["models"]["target"]["quantization"]
     assert (q["quant_scheme"], q["zero"], q["head_bits"], q["imported_exactly"]) == ("fast", "none", 4, 0)
+    assert q["embedding"] in ("int4", "int4 (the head's blocks)")
+    ops = _ops(path / "target.onnx")
+    assert "GatherBlockQuantized" in ops and "Gather" not in ops
     result = Session(path).generate(PROMPTS[0], max_new_tokens=12, speculate=False)
     assert len(result.token_ids) == 12
+
+
+def test_parity_check_catches_a_wrong_quantized_embedding(models, tmp_path):
+    """The int graphs' export check (on text) passes the fast graph and refuses the same graph
+    against an eager module whose embedding unpacks its nibbles in the wrong order."""
+    from specdeploy.export.build import model_entry, source_graph
+    from specdeploy.export.load import load_source
+    from specdeploy.export.onnx_export import DTYPES, PARITY_TEXT, check_parity, export_onnx
+
+    source = load_source(models["llama"])
+    graph = source_graph(source, "int4", quant_scheme="fast")
+    graph.use_contrib_ops(MAX_SEQ, fused=True)
+    export_onnx(graph, tmp_path / "t.onnx", MAX_SEQ, DTYPES["int4"], optimize=False)
+    spec = model_entry(graph, source, "target", "t.onnx", "int4", MAX_SEQ)
+    text = source.tokenizer.encode(PARITY_TEXT)
+    check = lambda: check_parity(graph, tmp_path / "t.onnx", spec, MAX_SEQ, 8, PREFILL_CHUNK, "int4", text_ids=text)  # noqa: E731
+    assert check()["max_rel_diff_ort_vs_eager"] <= 0.25
+    packed = graph.embed_tokens.packed
+    graph.embed_tokens.packed = ((packed & 0x0F) << 4) | (packed >> 4)
+    with pytest.raises(ExportError, match="differ from PyTorch eager"):
+        check()
 
 
 def test_a_fused_quantized_self_draft_stays_lossless(fused_bundles):

@@ -12,7 +12,7 @@ from tiny import PROMPTS
 from specdeploy.export.contrib import rope_caches, rotary
 from specdeploy.export.graph import _rotate_half
 from specdeploy.export.quantize import (
-    ACCURACY_LEVEL, BLOCK, GGUF_BLOCKS, Blocks, gguf_blocks, matmul_nbits, pack, quantize_float,
+    ACCURACY_LEVEL, BLOCK, GGUF_BLOCKS, Blocks, gather_block_quantized, gguf_blocks, matmul_nbits, pack, quantize_float,
 )
 from specdeploy.runtime import Session
 
@@ -59,6 +59,35 @@ def test_matmul_nbits_node_equals_its_eager_meaning(bits, rows):
     # and the eager op is the dequantized weight (up to the activation rounding it models)
     plain = x @ blocks.dequantize().T
     assert np.abs(want - plain).max() <= 0.05 * scale
+
+
+def test_gather_block_quantized_node_equals_its_eager_meaning():
+    """ONNX Runtime's GatherBlockQuantized over MatMulNBits' own 4-bit packing (the fast
+    scheme's embedding reads the tied head's blocks) == the eager op == the dequantized rows."""
+    rng = np.random.default_rng(3)
+    n, k = 70, 96
+    blocks = quantize_float(rng.standard_normal((n, k)).astype(np.float32), 4, "none")
+    packed, scales, _ = pack(blocks)
+    ids = np.array([[0, 5, 69, 5], [12, 1, 33, 68]], dtype=np.int64)
+    import onnx
+    import onnxruntime as ort
+    from onnx import helper, numpy_helper
+
+    from specdeploy.export.contrib import DOMAIN
+
+    node = helper.make_node("GatherBlockQuantized", ["data", "ids", "s"], ["y"], domain=DOMAIN, gather_axis=0,
+                            quantize_axis=1, block_size=BLOCK, bits=4)
+    graph = helper.make_graph(
+        [node], "g", [helper.make_tensor_value_info("ids", onnx.TensorProto.INT64, list(ids.shape))],
+        [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, None)],
+        [numpy_helper.from_array(packed.reshape(n, k // 2), "data"), numpy_helper.from_array(scales.reshape(n, k // BLOCK), "s")],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid(DOMAIN, 1)])
+    sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    got = sess.run(None, {"ids": ids})[0]
+    want = gather_block_quantized(torch.from_numpy(packed), torch.from_numpy(ids), torch.from_numpy(scales), n, k).numpy()
+    assert got.shape == (2, 4, k) and np.array_equal(got, want)
+    assert np.array_equal(want, blocks.dequantize()[ids])
 
 
 def test_rotary_node_equals_the_standard_op_rope():
