@@ -48,8 +48,8 @@ HEAD_BITS = 8
 #          unchanged), else round to nearest with a float minimum (Q4_1's form); head int8
 #   fast   round to nearest from the float weights with the form ONNX Runtime's kernels run
 #          fastest (symmetric: no minimum term, no zero points), the head in the same bits,
-#          and the token embedding in the head's 4-bit blocks (GatherBlockQuantized; tied
-#          weights share them)
+#          and at int4 the token embedding in the head's 4-bit blocks (GatherBlockQuantized;
+#          tied weights share them)
 QUANT_SCHEMES = {
     "exact": {"source_blocks": True, "zero": "min", "head_bits": HEAD_BITS, "embedding_bits": None},
     "fast": {"source_blocks": False, "zero": "none", "head_bits": None, "embedding_bits": 4},  # None: the linears' bits
@@ -392,7 +392,7 @@ def quantize_model(model: nn.Module, scheme: str, gguf_path: Path | None = None,
     blocks, bias = blocks_for(model.lm_head, head_name, plan["head_bits"], None, "lm_head")
     model.lm_head = QuantLinear(blocks, bias)
     embedding = "float32"
-    if plan["embedding_bits"]:
+    if plan["embedding_bits"] and bits == 4:  # an int8 bundle's embedding stays float: no finer than its linears
         table = model.lm_head if tied and blocks.bits == 4 and model.lm_head.zero_points is None and blocks.mins is None \
             else QuantLinear(quantize_float(model.model.embed_tokens.weight.detach().float().numpy(), 4, "none"), None)
         n, k = table.out_features, table.in_features
