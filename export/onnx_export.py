@@ -32,6 +32,7 @@ KV_DTYPES = {"fp32": "float32", "fp16": "float16", "int8": "float32", "int4": "f
 # embedding's nibbles swapped in eager 1.05. The bound catches a wrong graph; the quality
 # table (benchmarks/quant_quality.py) measures the quantized model against fp32.
 PARITY_RTOL = {"fp32": 1e-4, "fp16": 2e-2, "int8": 0.25, "int4": 0.25}
+MIN_TEXT_IDS = 16
 # The text the int graphs' parity passes read (its token ids, repeated to the schedule's length).
 PARITY_TEXT = (
     "A speculative decoder drafts a few tokens cheaply, then the target model checks them all in one "
@@ -201,7 +202,8 @@ def check_parity(
     """Run the same passes through ONNX Runtime and PyTorch eager; compare every logit.
 
     The passes read random token ids, or with `text_ids` (repeated as needed) a text's:
-    the quantized graphs' check (PARITY_RTOL). With `hf_model`, eager is also checked
+    the quantized graphs' check (PARITY_RTOL). Text ids past the model's vocabulary are
+    left out; with fewer than MIN_TEXT_IDS left, the ids are random. With `hf_model`, eager is also checked
     against the source model's own forward over the whole sequence (the slow reference).
     Returns the max differences; raises on a difference past PARITY_RTOL.
     """
@@ -213,10 +215,12 @@ def check_parity(
     rng = np.random.default_rng(seed)
     schedule = parity_schedule(max_seq, max_draft, prefill_chunk)
     total = sum(t for _, t in schedule)
-    if text_ids is None or not len(text_ids):
+    text = np.asarray(text_ids if text_ids is not None else [], dtype=np.int64)
+    text = text[(text >= 0) & (text < spec.vocab_size)]  # a model smaller than its tokenizer reads what it has
+    if text.size < MIN_TEXT_IDS:
         ids = rng.integers(0, spec.vocab_size, size=total)
     else:
-        ids = np.resize(np.asarray(text_ids, dtype=np.int64), total)
+        ids = np.resize(text, total)
     graph.inplace = True
     worst_ort = worst_hf = 0.0
     eager_rows = []
