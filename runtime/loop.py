@@ -7,6 +7,7 @@ d1..dk and give the token after them. Plain decoding is the same round with no d
 """
 from __future__ import annotations
 
+import math
 import time
 
 import numpy as np
@@ -115,9 +116,10 @@ def tree_round(
     else:  # a chain (or nothing): the ordinary pass, whatever the target
         logits = target.forward(np.concatenate([ids[-1:], tree.tokens]), n - 1)
     verify = time.perf_counter() - t0
-    check_finite(target, logits, n - 1)
+    tokens = logits.argmax(axis=-1) if params.greedy else None
+    check_finite(target, logits, n - 1, tokens)
     if params.greedy:
-        path, token = accept_tree(tree, lambda row: logits[row].argmax())
+        path, token = accept_tree(tree, lambda row: tokens[row])
     else:
         path, token = accept_tree(tree, lambda row: sample(warp(logits[row], params), rng))
     if path != list(range(len(path))):  # off the main chain: move the path's K/V into place
@@ -143,10 +145,12 @@ def check_finite(target: Engine, target_logits: np.ndarray, start: int, argmax: 
     a row's first NaN, so the values at the argmaxes are exactly the rows' maxima (NaN where
     a row has one), read without a second pass over every logit.
     """
-    if argmax is None:
-        row_max = target_logits.max(axis=-1)
-    else:
+    if argmax is not None:  # a few rows: Python floats cost less than numpy's small-array calls
+        if all(math.isfinite(target_logits[i, j]) for i, j in enumerate(argmax.tolist())):
+            return
         row_max = target_logits[np.arange(argmax.shape[0]), argmax]
+    else:
+        row_max = target_logits.max(axis=-1)
     bad = np.flatnonzero(~np.isfinite(row_max))
     if bad.size:
         raise BundleError(
