@@ -76,9 +76,13 @@ def run_demo(
         sys.stdout.flush()
     click.echo("\n")
     runs = []
-    for _ in range(repeats):
+    for i in range(repeats):  # which of a pair runs first alternates too: neither always follows the other
+        first_plain = i % 2 == 0
+        if not first_plain:
+            spec = session.generate(prompt, chat=True, max_new_tokens=max_new_tokens, draft_len=draft_len)
         plain = session.generate(prompt, chat=True, max_new_tokens=max_new_tokens, speculate=False)
-        spec = session.generate(prompt, chat=True, max_new_tokens=max_new_tokens, draft_len=draft_len)
+        if first_plain:
+            spec = session.generate(prompt, chat=True, max_new_tokens=max_new_tokens, draft_len=draft_len)
         runs.append((spec, plain))
     identical = all(s.token_ids == p.token_ids == runs[0][1].token_ids for s, p in runs) and ids == runs[0][1].token_ids
     click.echo(summary([s.stats for s, _ in runs], [p.stats for _, p in runs], identical))
