@@ -32,7 +32,7 @@ KV_DTYPES = {"fp32": "float32", "fp16": "float16", "int8": "float32", "int4": "f
 # embedding's nibbles swapped in eager 1.05. The bound catches a wrong graph; the quality
 # table (benchmarks/quant_quality.py) measures the quantized model against fp32.
 PARITY_RTOL = {"fp32": 1e-4, "fp16": 2e-2, "int8": 0.25, "int4": 0.25}
-MIN_TEXT_IDS = 16
+MIN_TEXT_IDS = 16  # fewer text ids than this (a model smaller than its tokenizer): random ids
 # The text the int graphs' parity passes read (its token ids, repeated to the schedule's length).
 PARITY_TEXT = (
     "A speculative decoder drafts a few tokens cheaply, then the target model checks them all in one "
@@ -203,9 +203,10 @@ def check_parity(
 
     The passes read random token ids, or with `text_ids` (repeated as needed) a text's:
     the quantized graphs' check (PARITY_RTOL). Text ids past the model's vocabulary are
-    left out; with fewer than MIN_TEXT_IDS left, the ids are random. With `hf_model`, eager is also checked
-    against the source model's own forward over the whole sequence (the slow reference).
-    Returns the max differences; raises on a difference past PARITY_RTOL.
+    left out; with fewer than MIN_TEXT_IDS left, the ids are random. With `hf_model`,
+    eager is also checked against the source model's own forward over the whole sequence
+    (the slow reference). Returns the max differences; raises on a difference past
+    PARITY_RTOL.
     """
     from specdeploy.runtime.backends.ort import OrtEngine
 
