@@ -17,15 +17,16 @@ from specdeploy.export.quantize import (
 from specdeploy.runtime import Session
 
 
-def _single_node_session(op: str, inputs: dict, initializers: dict, **attrs):
-    """An ONNX Runtime session over one contrib op, with the attributes our exporter writes."""
+def _single_node_session(op: str, inputs: dict, initializers: dict, order: list[str] | None = None, **attrs):
+    """An ONNX Runtime session over one contrib op, with the attributes our exporter writes.
+    Its inputs: the graph inputs, then the initializers, or the names in `order`."""
     import onnx
     import onnxruntime as ort
     from onnx import helper, numpy_helper
 
     from specdeploy.export.contrib import DOMAIN
 
-    node = helper.make_node(op, [*inputs, *initializers], ["y"], domain=DOMAIN, **attrs)
+    node = helper.make_node(op, order or [*inputs, *initializers], ["y"], domain=DOMAIN, **attrs)
     elem = {np.float32: onnx.TensorProto.FLOAT, np.int64: onnx.TensorProto.INT64}
     graph = helper.make_graph(
         [node], "g",
@@ -69,21 +70,10 @@ def test_gather_block_quantized_node_equals_its_eager_meaning():
     blocks = quantize_float(rng.standard_normal((n, k)).astype(np.float32), 4, "none")
     packed, scales, _ = pack(blocks)
     ids = np.array([[0, 5, 69, 5], [12, 1, 33, 68]], dtype=np.int64)
-    import onnx
-    import onnxruntime as ort
-    from onnx import helper, numpy_helper
-
-    from specdeploy.export.contrib import DOMAIN
-
-    node = helper.make_node("GatherBlockQuantized", ["data", "ids", "s"], ["y"], domain=DOMAIN, gather_axis=0,
-                            quantize_axis=1, block_size=BLOCK, bits=4)
-    graph = helper.make_graph(
-        [node], "g", [helper.make_tensor_value_info("ids", onnx.TensorProto.INT64, list(ids.shape))],
-        [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, None)],
-        [numpy_helper.from_array(packed.reshape(n, k // 2), "data"), numpy_helper.from_array(scales.reshape(n, k // BLOCK), "s")],
+    sess = _single_node_session(
+        "GatherBlockQuantized", {"ids": ids}, {"data": packed.reshape(n, k // 2), "s": scales.reshape(n, k // BLOCK)},
+        order=["data", "ids", "s"], gather_axis=0, quantize_axis=1, block_size=BLOCK, bits=4,
     )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid(DOMAIN, 1)])
-    sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
     got = sess.run(None, {"ids": ids})[0]
     want = gather_block_quantized(torch.from_numpy(packed), torch.from_numpy(ids), torch.from_numpy(scales), n, k).numpy()
     assert got.shape == (2, 4, k) and np.array_equal(got, want)
