@@ -75,14 +75,11 @@ def run_demo(
         click.echo(piece.text, nl=False)
         sys.stdout.flush()
     click.echo("\n")
+    modes = {"spec": dict(draft_len=draft_len), "plain": dict(speculate=False)}
     runs = []
     for i in range(repeats):  # which of a pair runs first alternates too: neither always follows the other
-        first_plain = i % 2 == 0
-        if not first_plain:
-            spec = session.generate(prompt, chat=True, max_new_tokens=max_new_tokens, draft_len=draft_len)
-        plain = session.generate(prompt, chat=True, max_new_tokens=max_new_tokens, speculate=False)
-        if first_plain:
-            spec = session.generate(prompt, chat=True, max_new_tokens=max_new_tokens, draft_len=draft_len)
-        runs.append((spec, plain))
+        got = {mode: session.generate(prompt, chat=True, max_new_tokens=max_new_tokens, **modes[mode])
+               for mode in (("plain", "spec") if i % 2 == 0 else ("spec", "plain"))}
+        runs.append((got["spec"], got["plain"]))
     identical = all(s.token_ids == p.token_ids == runs[0][1].token_ids for s, p in runs) and ids == runs[0][1].token_ids
     click.echo(summary([s.stats for s, _ in runs], [p.stats for _, p in runs], identical))
