@@ -68,6 +68,10 @@ def speculative_round(
     """One round: draft up to k, verify k'+1 in one target pass, accept, correct or bonus.
     Returns the tokens it commits (1..k'+1). With k = 0 (or no drafter) it is one plain
     decoding step."""
+    if params.greedy and (drafter is None or k == 0):
+        token = plain_step(target, ids, stats)
+        stats.record_round(k if drafter is not None else None, 0, 0)
+        return np.array([token], dtype=np.int64)
     if drafter is not None and k > 0 and drafter.fused_with(target):
         checked = drafter.propose_and_verify(target, ids, k, params, rng)  # on the device, one host sync
     else:
@@ -86,6 +90,22 @@ def speculative_round(
     n_accepted, next_token = accept(checked, params, rng)
     stats.record_round(k if drafter is not None else None, checked.draft_tokens.shape[0], n_accepted)
     return np.append(checked.draft_tokens[:n_accepted], next_token)
+
+
+def plain_step(target: Engine, ids: np.ndarray, stats: Stats) -> int:
+    """A greedy round with nothing drafted: one target pass at T = 1 and its argmax, with as
+    little host work as the round allows (on the CPU a step's Python runs on caches the pass
+    has just emptied, so each array operation it skips is worth a few microseconds)."""
+    n = ids.shape[0]
+    t0 = time.perf_counter()
+    logits = target.forward(ids[n - 1 :], n - 1)
+    stats.verify_seconds += time.perf_counter() - t0
+    stats.target_passes += 1
+    row = logits[0]
+    token = int(row.argmax())
+    if not math.isfinite(row[token]):  # argmax stops at a NaN: the row's maximum is what it found
+        check_finite(target, logits, n - 1, np.array([token]))
+    return token
 
 
 def tree_round(

@@ -207,6 +207,27 @@ def _engines(bundle, capture):
             for role in ("target", "draft")}
 
 
+def test_a_single_step_reads_zeros_over_its_window_after_a_padded_one():
+    """A single step over the exact window leaves the mask room as it is (a row of zeros): after
+    a padded window wrote -inf past its step, the next exact step must still read zeros over
+    its whole window, and its integers must be the ones the general path writes."""
+    from specdeploy.core.graph_io import fill_mask
+    from specdeploy.runtime.backends.devices import Device
+    from specdeploy.runtime.backends.ort import _Stage
+
+    stage = _Stage(1, 128, 16, Device("cpu"))
+    mask = stage.host_views["attention_mask"]
+    stage.stage(np.array([3]), 5, 64, None)  # a padded window (a captured pass)
+    assert (mask[:6] == 0).all() and np.isneginf(mask[6:64]).all()
+    stage.stage(np.array([4]), 20, 21, None)  # exact: the single-step path
+    np.testing.assert_array_equal(mask[:21], fill_mask(np.empty((1, 21), np.float32), 20)[0])
+    assert [stage.host_views[n][0] for n in ("input_ids", "position_ids", "write_indices")] == [4, 20, 20]
+    stage.stage(np.array([7]), 2, 3, 2)  # a sliding window takes the general path: slot 0 is out of it
+    assert np.isneginf(mask[0]) and (mask[1:3] == 0).all()
+    stage.stage(np.array([9]), 30, 31, None)
+    assert (mask[:31] == 0).all()
+
+
 def test_captured_bookkeeping_gives_the_same_logits(bundles):
     """Passes with per-shape bindings, graph ids and bucketed windows (what CUDA graphs need)
     against the plain CPU engine: the padded window's masked slots add exact zeros."""

@@ -89,6 +89,9 @@ class _FailOnce:
             raise RuntimeError("the pass died")
         return self.real.run_with_iobinding(binding)
 
+    def __getattr__(self, name):  # io_binding and the rest: the real session's
+        return getattr(self.real, name)
+
 
 @pytest.mark.parametrize("role", ["target", "draft"])
 def test_a_pass_that_failed_voids_what_it_may_have_written(bundles, role):

@@ -312,6 +312,14 @@ class _Stage:
     in one byte buffer, each at an aligned offset: a pass fills the host copy and sends it up
     in one `update_inplace`. Inputs are bound by address with the pass's shape, so the mask
     [1, 1, T, L] is the first T*L floats of its room, whatever L is.
+
+    On the CPU a decoding step's host work is mostly Python touching memory the pass before it
+    pushed out of the caches (a step streams the whole model through them), so every call
+    counts: a single step over the exact window writes its three integers through a
+    memoryview and leaves its mask as it is (it sees every slot up to its own: a row of zeros,
+    as the room was allocated; the stage tracks how far its leading zeros reach, since a
+    padded window writes -inf past the step), and on the CPU a mask is bound as an OrtValue
+    made once per window length over the same memory.
     """
 
     INPUTS = (("input_ids", np.int64), ("position_ids", np.int64), ("write_indices", np.int64),
@@ -329,7 +337,12 @@ class _Stage:
             start = self.offsets[name]
             self.host_views[name] = self.host[start : start + sizes[name] * np.dtype(dtype).itemsize].view(dtype)
         self.steps = np.arange(t, dtype=np.int64)
+        ints = memoryview(self.host).cast("q")  # int64 items: a single step's inputs, written without numpy
+        self._slots = tuple(self.offsets[name] // 8 for name in ("input_ids", "position_ids", "write_indices"))
+        self._ints = ints
         self.on_host = device.kind == "cpu"
+        self._masks: dict[int, ort.OrtValue] = {}  # on the CPU: the mask [1, 1, T, L] by L, over the room
+        self._zeros = max_seq  # T = 1: the mask room's leading floats known to be zero (all, as allocated)
         # On the CPU the inputs are the host buffer itself (nothing to send) and the logits a view.
         self.value = ort.OrtValue.ortvalue_from_numpy(self.host) if self.on_host else _allocate(self.host.shape, np.uint8, device)
         self.logits = _allocate((1, t, vocab_size), np.float32, device)  # [1, T, V]
@@ -341,6 +354,19 @@ class _Stage:
         A tree pass (`tree`) sets each token's position to start + its depth and its mask row
         to the context and its ancestors."""
         v, t = self.host_views, self.t
+        if t == 1 and window == start + 1 and tree is None and sliding_window is None:
+            # a decoding step over the exact window: every slot visible, its mask all zeros
+            ints, (i, p, w) = self._ints, self._slots
+            ints[i] = int(token_ids[0])
+            ints[p] = ints[w] = start
+            if window > self._zeros:  # a padded window's -inf were written there
+                v["attention_mask"][self._zeros : window] = 0
+                self._zeros = window
+            if not self.on_host:
+                self.value.update_inplace(self.host)
+            return
+        if t == 1:  # the fills below leave -inf past the step (and, in a sliding window, before it)
+            self._zeros = 0 if sliding_window is not None else min(self._zeros, start)
         v["input_ids"][:] = token_ids
         v["write_indices"][0] = start
         mask = v["attention_mask"][: t * window].reshape(t, window)
@@ -366,8 +392,16 @@ class _Stage:
         binding.bind_ortvalue_output("logits", self.logits)
 
     def bind_mask(self, binding: ort.IOBinding, window: int) -> None:
-        """Bind the mask [1, 1, T, window]: the first T*window floats of its room."""
-        self._bind_input(binding, "attention_mask", np.float32, [1, 1, self.t, window])
+        """Bind the mask [1, 1, T, window]: the first T*window floats of its room (on the CPU
+        through an OrtValue over them, made on the first pass of that window)."""
+        if not self.on_host:
+            self._bind_input(binding, "attention_mask", np.float32, [1, 1, self.t, window])
+            return
+        value = self._masks.get(window)
+        if value is None:
+            room = self.host_views["attention_mask"][: self.t * window]
+            value = self._masks[window] = ort.OrtValue.ortvalue_from_numpy(room.reshape(1, 1, self.t, window))
+        binding.bind_ortvalue_input("attention_mask", value)
 
     def _bind_input(self, binding: ort.IOBinding, name: str, dtype, shape: list[int]) -> None:
         address = self.value.data_ptr() + self.offsets[name]
@@ -409,8 +443,7 @@ class OrtEngine:
         for value in self._kv_values:
             value.update_inplace(np.zeros(shape, dtype=spec.kv_dtype))
         self._stages: dict[int, _Stage] = {}  # by T
-        self._binding = self._kv_binding()  # uncaptured passes: its inputs rebound when the shape changes
-        self._bound: tuple[int, int] | None = None
+        self._bindings: dict[int, tuple[ort.IOBinding, list[int]]] = {}  # uncaptured passes by T: binding, its window
         self._uncaptured = _run_options(-1) if placement.capture else None
         self._graphs: dict[tuple[int, int], tuple[ort.IOBinding, ort.RunOptions]] = {}  # (T, L) -> captured graph
         self.captured_runs = 0
@@ -499,15 +532,19 @@ class OrtEngine:
         return binding
 
     def _rebind(self, stage: _Stage, window: int) -> tuple[ort.IOBinding, ort.RunOptions | None]:
-        """An uncaptured pass: the shared binding, its inputs rebound only where the shape
-        changed (the exact window moves every pass; T changes less often)."""
+        """An uncaptured pass: its T's binding (the K/V, token inputs and logits bound once),
+        the mask rebound where its window changed (the exact window moves every pass)."""
         self.uncaptured_runs += 1
-        if self._bound is None or self._bound[0] != stage.t:
-            stage.bind(self._binding)
-        if self._bound != (stage.t, window):
-            stage.bind_mask(self._binding, window)
-        self._bound = (stage.t, window)
-        return self._binding, self._uncaptured
+        entry = self._bindings.get(stage.t)
+        if entry is None:
+            binding = self._kv_binding()
+            stage.bind(binding)
+            entry = self._bindings[stage.t] = (binding, [0])
+        binding, bound = entry
+        if bound[0] != window:
+            stage.bind_mask(binding, window)
+            bound[0] = window
+        return binding, self._uncaptured
 
     def _graph(self, stage: _Stage, window: int) -> tuple[ort.IOBinding, ort.RunOptions]:
         """A captured pass shape: its binding (bound once, never rebound: the graph replays its
