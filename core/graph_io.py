@@ -1,11 +1,12 @@
 """The graph contract (DESIGN.md section 3): tensor names, the attention mask, the window.
 
 One graph per model takes `input_ids [1, T]`, `position_ids [1, T]`, `write_indices [1]`
-(data, never a shape), `attention_mask [1, 1, T, L]` and per layer `past_key_i`,
-`past_value_i` `[1, Hkv, S_max, D]` bound in and out (written in place), and returns
-`logits [1, T, V]` and the `present_*` aliases of the buffers. L, the mask's last
-dimension, is how much of the buffer attention reads: the live slots, or a power-of-two
-bucket of them on engines that capture a graph per shape.
+(data, never a shape), `attention_mask [1, 1, T, L]`, per layer `past_key_i`,
+`past_value_i` `[1, Hkv, S_max, D]` bound in and out (written in place) and, from format
+version 2 on, `logits_rows [R]` (the rows whose logits the pass returns), and returns
+`logits [1, R, V]` (format 1: `[1, T, V]`) and the `present_*` aliases of the buffers. L,
+the mask's last dimension, is how much of the buffer attention reads: the live slots, or a
+power-of-two bucket of them on engines that capture a graph per shape.
 """
 from __future__ import annotations
 
@@ -25,10 +26,15 @@ def kv_names(num_layers: int) -> list[tuple[str, str]]:
     return [(f"past_{kind}_{i}", f"present_{kind}_{i}") for i in range(num_layers) for kind in ("key", "value")]
 
 
-def io_names(num_layers: int) -> tuple[list[str], list[str]]:
-    """The graph's input and output names, in order."""
+LOGITS_ROWS = "logits_rows"
+
+
+def io_names(num_layers: int, logits_rows: bool = True) -> tuple[list[str], list[str]]:
+    """The graph's input and output names, in order (`logits_rows`: a graph that takes the
+    rows whose logits it returns, as every ONNX graph from format version 2 on)."""
     kv = kv_names(num_layers)
-    return list(STEP_INPUTS) + [p for p, _ in kv], ["logits"] + [p for _, p in kv]
+    rows = [LOGITS_ROWS] if logits_rows else []
+    return list(STEP_INPUTS) + [p for p, _ in kv] + rows, ["logits"] + [p for _, p in kv]
 
 
 def window_length(start: int, t: int, min_window: int | None = None, max_seq: int | None = None) -> int:

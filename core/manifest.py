@@ -23,7 +23,8 @@ from typing import Any
 from .errors import BundleError
 
 FORMAT = "specdeploy-bundle"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: graphs take logits_rows (core/graph_io.py)
+READS_VERSIONS = (1, 2)
 MANIFEST = "manifest.json"
 DRAFT_KINDS = ("model", "self", "ngram", "suffix", "none")
 
@@ -105,6 +106,13 @@ class ModelSpec:
     # "exact": verify rows equal single steps bit for bit; "fused": ONNX Runtime's fused
     # attention (GroupQueryAttention), rows equal up to rounding (README: exact and fused graphs)
     attention: str = "exact"
+
+    @property
+    def logits_rows(self) -> bool:
+        """Whether the graph takes the rows whose logits it returns (format version 2 on)."""
+        from .graph_io import LOGITS_ROWS
+
+        return LOGITS_ROWS in self.inputs
 
     @property
     def kv_names(self) -> list[tuple[str, str]]:
@@ -253,16 +261,17 @@ class Manifest:
     created_by: str = ""
     created_at: str = ""
     export_seconds: float | None = None
+    format_version: int = FORMAT_VERSION  # what the file says (a version 1 bundle stays one when rewritten)
 
     @classmethod
     def from_dict(cls, d: Any, where: str = MANIFEST) -> "Manifest":
         if not isinstance(d, dict) or d.get("format") != FORMAT:
             raise BundleError(f"{where}: not a specdeploy manifest (no \"format\": \"{FORMAT}\")")
         version = d.get("format_version")
-        if version != FORMAT_VERSION:
+        if version not in READS_VERSIONS:
             raise BundleError(
                 f"{where}: format version {version!r} is not supported "
-                f"(this specdeploy reads version {FORMAT_VERSION}); re-export the bundle"
+                f"(this specdeploy reads versions {', '.join(map(str, READS_VERSIONS))}); re-export the bundle"
             )
         models = _take(d, "models", dict, f"{where}")
         if "target" not in models:
@@ -285,6 +294,7 @@ class Manifest:
             created_by=_take(d, "created_by", str, where, optional=True) or "",
             created_at=_take(d, "created_at", str, where, optional=True) or "",
             export_seconds=seconds,
+            format_version=version,
         )
         # Every file the runtime opens is one whose checksum the manifest records.
         opened = [manifest.tokenizer.file] + [m.graph for m in manifest.models.values()]
@@ -301,7 +311,7 @@ class Manifest:
     def as_dict(self) -> dict:
         d = {
             "format": FORMAT,
-            "format_version": FORMAT_VERSION,
+            "format_version": self.format_version,
             "created_by": self.created_by,
             "created_at": self.created_at,
             "max_seq": self.max_seq,

@@ -9,8 +9,15 @@ for prefill.
     attention_mask  [B, 1, T, L]  float32 additive (0 or -inf); L = write index + T
     past_key_i      [B, Hkv, S, D]        static buffers, S = max sequence
     past_value_i    [B, Hkv, S, D]
- -> logits          [B, T, V]     float32 (every position: verify needs all k+1)
+    logits_rows     [R]           int64   the rows (0..T-1) whose logits the pass returns
+ -> logits          [B, R, V]     float32 (a verify pass asks for all k+1 rows; a prefill
+                                          chunk or a draft's catch-up only for its last)
     present_key_i   [B, Hkv, S, D]        the same buffer, written in place at write_indices
+
+The head reads only the rows asked for: it is a fifth of SmolLM2's weights and of a
+prefill chunk's arithmetic, and a prefill chunk needs none of its rows (the prompt's last
+token opens the first round). The rows are data with a shape of their own (R), so one
+graph serves both.
 
 The write position is data, never a shape: one graph serves every step. Attention reads
 only the first L slots of the buffer, L taken from the mask's shape, so its cost follows
@@ -207,7 +214,9 @@ class SpecGraph(nn.Module):
             k = k * cos + _rotate_half(k) * sin
         return attention_reference(q, k, v, key_cache, value_cache, write_indices, mask, self.scaling, write)
 
-    def forward(self, input_ids, position_ids, write_indices, attention_mask, past: list[torch.Tensor]):
+    def forward(self, input_ids, position_ids, write_indices, attention_mask, past: list[torch.Tensor],
+                logits_rows: torch.Tensor | None = None):
+        """`logits_rows` [R]: the rows whose logits are returned (None: every row)."""
         b, t = input_ids.shape
         h = self.embed_tokens(input_ids)
         cos = sin = None
@@ -228,8 +237,11 @@ class SpecGraph(nn.Module):
             x, h = self._norm(layer.post_attention_layernorm, h, layer.self_attn.o_proj(out))
             delta = _mlp(layer.mlp, x)
         x, h = self._norm(self.norm, h, delta)
+        if logits_rows is not None:
+            x = x.index_select(1, logits_rows)  # one Gather: the head reads R rows, not T
         logits = self.lm_head(x).float()
         if self.head_vocab is not None:  # one ScatterElements into rows of -inf
-            full = logits.new_full((b, t, self.vocab_size), float("-inf"))
-            logits = full.scatter(-1, self.head_vocab.expand(b, t, -1), logits)
+            r = logits.shape[1]
+            full = logits.new_full((b, r, self.vocab_size), float("-inf"))
+            logits = full.scatter(-1, self.head_vocab.expand(b, r, -1), logits)
         return (logits, *presents)

@@ -20,6 +20,7 @@ from typing import Callable
 import numpy as np
 
 from specdeploy.core.errors import BundleError, ExportError, InputError
+from specdeploy.core.graph_io import LOGITS_ROWS
 from specdeploy.core.manifest import Manifest, load_bundle, sha256_file, verify_files, write_manifest
 from specdeploy.core.trt_profiles import ARGMAX, Profile, profiles_for
 
@@ -80,13 +81,57 @@ def _import_tensorrt():
     return trt, cudart
 
 
+def every_row(model):
+    """The graph with every row's logits and no `logits_rows` input (format 1's contract),
+    in place: what a plan is built from. The engines' staging, profiles and fused draft
+    chains are laid out for that contract, and a plan's passes want every row but a prefill
+    chunk's. `logits_rows` reaches, through the exporter's Reshape to 1-D, only Gathers along
+    the rows (SpecGraph.forward's index_select before the head): those nodes go, each
+    Gather's readers read its data instead, and the dim R becomes T. Returns the model
+    (unchanged where it has no such input)."""
+    graph = model.graph
+    if not any(i.name == LOGITS_ROWS for i in graph.input):
+        return model
+    rows, drop, readers = {LOGITS_ROWS}, [], {}
+    for node in graph.node:  # in topological order: a Reshape of the rows before what reads it
+        if not rows.intersection(node.input):
+            continue
+        axis = next((a.i for a in node.attribute if a.name == "axis"), 0)
+        if node.op_type in ("Reshape", "Identity") and node.input[0] in rows:
+            rows.add(node.output[0])
+        elif node.op_type == "Gather" and node.input[1] in rows and node.input[0] not in rows and axis == 1:
+            readers[node.output[0]] = node.input[0]
+        else:
+            raise ExportError(f"{LOGITS_ROWS} reaches a {node.op_type} node ({node.name}), not a Gather along the rows")
+        drop.append(node)
+    if {o.name for o in graph.output} & (rows | set(readers)):
+        raise ExportError(f"{LOGITS_ROWS}: a graph output is computed from it directly")
+    for node in drop:
+        graph.node.remove(node)
+    for node in graph.node:
+        for j, name in enumerate(node.input):
+            if name in readers:
+                node.input[j] = readers[name]
+    for info in [v for v in graph.value_info if v.name in rows | set(readers)]:
+        graph.value_info.remove(info)
+    graph.input.remove(next(i for i in graph.input if i.name == LOGITS_ROWS))
+    for value in list(graph.output) + list(graph.value_info):
+        for dim in value.type.tensor_type.shape.dim:
+            if dim.dim_param == "R":
+                dim.dim_param = "T"
+    return model
+
+
 def _parse(trt, builder, logger, onnx_path: Path):
+    import onnx
+
     flag = getattr(trt.NetworkDefinitionCreationFlag, "STRONGLY_TYPED", None)
     # Strongly typed: the ONNX's own dtypes decide the precision (TensorRT 11 removed the FP16/BF16
     # builder flags and keeps STRONGLY_TYPED only as an ignored, always-on flag).
     network = builder.create_network(0 if flag is None else 1 << int(flag))
     parser = trt.OnnxParser(network, logger)
-    if not parser.parse_from_file(str(onnx_path)):  # resolves external weights beside the file
+    model = every_row(onnx.load(str(onnx_path), load_external_data=False))  # weights stay where they are
+    if not parser.parse(model.SerializeToString(), str(onnx_path)):  # the path: external weights beside it
         errors = []
         for i in range(parser.num_errors):
             err = parser.get_error(i)
@@ -250,4 +295,5 @@ def _write_atomic(path: Path, data) -> None:
     os.replace(tmp, path)
 
 
-__all__ = ["MIN_TENSORRT", "add_argmax_output", "build_engines", "build_profiles", "default_timing_cache", "plan_file", "profile_shapes"]
+__all__ = ["MIN_TENSORRT", "add_argmax_output", "build_engines", "build_profiles", "default_timing_cache", "every_row", "plan_file",
+           "profile_shapes"]

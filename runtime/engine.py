@@ -28,8 +28,10 @@ class Engine(Protocol):
     chains: bool  # offers draft_chain / verify_chain / chain_seconds (below)
     trees: bool  # verifies token trees: forward(..., tree=) and move_kv (below)
 
-    def forward(self, token_ids: np.ndarray, start: int) -> np.ndarray:
-        """token_ids [T] int64 at positions start..start+T-1 -> logits [T, V] float32."""
+    def forward(self, token_ids: np.ndarray, start: int, last: bool = False) -> np.ndarray:
+        """token_ids [T] int64 at positions start..start+T-1 -> logits [T, V] float32. With
+        `last` the caller reads only the last row (as `[-1]`): an engine may then compute and
+        return that row alone ([1, V])."""
         ...
 
     # -- only where `trees` is True --------------------------------------------------------

@@ -24,9 +24,10 @@ from .tree import DraftTree, accept_tree
 
 def prefill(target: Engine, ids: np.ndarray, chunk: int, start: int = 0) -> None:
     """Write K/V of every prompt token but the last (it opens the first round), from
-    position `start` on (the cache holds the ones before)."""
+    position `start` on (the cache holds the ones before). No chunk's logits are read: each
+    asks for its last row only, so the head runs once a chunk, not once a token."""
     for at in range(start, ids.shape[0] - 1, chunk):
-        target.forward(ids[at : min(at + chunk, ids.shape[0] - 1)], at)
+        target.forward(ids[at : min(at + chunk, ids.shape[0] - 1)], at, last=True)
 
 
 class PromptCache:

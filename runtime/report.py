@@ -1,7 +1,7 @@
 """Human-readable views of bundles and runs."""
 from __future__ import annotations
 
-from specdeploy.core.manifest import FORMAT, FORMAT_VERSION, Bundle
+from specdeploy.core.manifest import FORMAT, Bundle
 from .stats import Stats
 
 
@@ -15,7 +15,7 @@ def describe(bundle: Bundle) -> str:
     m = bundle.manifest
     lines = [
         f"bundle      {bundle.path}",
-        f"format      {FORMAT} v{FORMAT_VERSION}, {m.created_by}, {m.created_at or '?'}",
+        f"format      {FORMAT} v{m.format_version}, {m.created_by}, {m.created_at or '?'}",
         f"sequence    max {m.max_seq} tokens (prompt + new), draft up to {m.max_draft} per round, "
         f"prefill chunk {m.prefill_chunk}",
         f"draft       {m.draft.kind}: {drafter_class(m.draft.kind).describe(m.draft)}",

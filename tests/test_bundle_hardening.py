@@ -62,7 +62,7 @@ def rehash(path: Path, name: str) -> None:
     (lambda m: m["tokenizer"].__setitem__("eos_token_ids", ["2"]), "'eos_token_ids' must be a list of token ids"),
     # numbers of the right type that the graph contradicts: named when the graph loads, not at its first pass
     (lambda m: m["models"]["target"].__setitem__("num_kv_heads", 1), "past_key_0 is [1, 2, 128, 16] in the graph"),
-    (lambda m: m["models"]["target"].__setitem__("vocab_size", 4), "logits is [1, 'T', 320] in the graph"),
+    (lambda m: m["models"]["target"].__setitem__("vocab_size", 4), "logits is [1, 'R', 320] in the graph"),
 ])
 def test_manifest_fields_are_checked(copy_of, change, fragment):
     path = copy_of()

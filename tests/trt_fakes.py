@@ -13,9 +13,12 @@ cuda-python's runtime module that the backend and the build call, so their host-
 """
 from __future__ import annotations
 
+import atexit
 import ctypes
 import itertools
 import json
+import os
+import tempfile
 import time
 from types import SimpleNamespace
 
@@ -439,7 +442,16 @@ class FakeTensorRT:
             network.onnx = path
             return True
 
-        return SimpleNamespace(parse_from_file=parse_from_file, num_errors=0)
+        def parse(model: bytes, path: str | None = None):
+            """The graph as the build handed it over, kept in a file for the engines' sessions."""
+            fd, name = tempfile.mkstemp(suffix=".onnx", prefix="fake-plan-")
+            with os.fdopen(fd, "wb") as f:
+                f.write(model)
+            atexit.register(os.unlink, name)
+            network.onnx = name
+            return True
+
+        return SimpleNamespace(parse_from_file=parse_from_file, parse=parse, num_errors=0)
 
 
 class FakeConfig:

@@ -31,7 +31,7 @@ import numpy as np
 import onnxruntime as ort
 
 from specdeploy.core.errors import BundleError, InputError
-from specdeploy.core.graph_io import check_pass, fill_mask, fill_tree_mask, io_names, window_length
+from specdeploy.core.graph_io import LOGITS_ROWS, check_pass, fill_mask, fill_tree_mask, io_names, window_length
 from specdeploy.core.manifest import ModelSpec
 from specdeploy.runtime.tree import TreeLayout
 
@@ -281,7 +281,7 @@ def _load(graph_path: Path, spec: ModelSpec, max_seq: int, threads: int | None, 
             raise DeviceError(f"{graph_path.name}: {placement.provider} did not load (ONNX Runtime would run this graph "
                               f"on {', '.join(got)}); {CUDA_LIBRARIES}")
         break
-    inputs, outputs = io_names(spec.num_layers)
+    inputs, outputs = io_names(spec.num_layers, spec.logits_rows)
     have = ({i.name for i in session.get_inputs()}, {o.name for o in session.get_outputs()})
     if have != (set(inputs), set(outputs)):
         missing = sorted((set(inputs) - have[0]) | (set(outputs) - have[1]))
@@ -308,9 +308,9 @@ def _allocate(shape, dtype, device: Device) -> ort.OrtValue:
 class _Stage:
     """The inputs and the logits of every pass of T tokens, allocated once on the device.
 
-    input_ids [T], position_ids [T], write_indices [1] and the mask (room for [T, max_seq]) lie
-    in one byte buffer, each at an aligned offset: a pass fills the host copy and sends it up
-    in one `update_inplace`. Inputs are bound by address with the pass's shape, so the mask
+    input_ids [T], position_ids [T], write_indices [1], the mask (room for [T, max_seq]) and
+    logits_rows [T] (0..T-1, written once) lie in one byte buffer, each at an aligned offset:
+    a pass fills the host copy and sends it up in one `update_inplace`. Inputs are bound by address with the pass's shape, so the mask
     [1, 1, T, L] is the first T*L floats of its room, whatever L is.
 
     On the CPU a decoding step's host work is mostly Python touching memory the pass before it
@@ -323,12 +323,14 @@ class _Stage:
     """
 
     INPUTS = (("input_ids", np.int64), ("position_ids", np.int64), ("write_indices", np.int64),
-              ("attention_mask", np.float32))
+              ("attention_mask", np.float32), (LOGITS_ROWS, np.int64))
 
-    def __init__(self, t: int, max_seq: int, vocab_size: int, device: Device):
-        self.t, self.device = t, device
+    def __init__(self, t: int, max_seq: int, vocab_size: int, device: Device, logits_rows: bool = True):
+        """`logits_rows`: the graph takes the rows whose logits it returns (0..T-1, written
+        once: a pass that wants only its last binds the last of them)."""
+        self.t, self.device, self.takes_rows = t, device, logits_rows
         self.offsets, self.host_views, at = {}, {}, 0
-        sizes = {"input_ids": t, "position_ids": t, "write_indices": 1, "attention_mask": t * max_seq}
+        sizes = {"input_ids": t, "position_ids": t, "write_indices": 1, "attention_mask": t * max_seq, LOGITS_ROWS: t}
         for name, dtype in self.INPUTS:
             self.offsets[name] = at
             at += -(-sizes[name] * np.dtype(dtype).itemsize // ALIGN) * ALIGN
@@ -337,6 +339,7 @@ class _Stage:
             start = self.offsets[name]
             self.host_views[name] = self.host[start : start + sizes[name] * np.dtype(dtype).itemsize].view(dtype)
         self.steps = np.arange(t, dtype=np.int64)
+        self.host_views[LOGITS_ROWS][:] = self.steps
         ints = memoryview(self.host).cast("q")  # int64 items: a single step's inputs, written without numpy
         self._slots = tuple(self.offsets[name] // 8 for name in ("input_ids", "position_ids", "write_indices"))
         self._ints = ints
@@ -379,17 +382,28 @@ class _Stage:
         if not self.on_host:
             self.value.update_inplace(self.host)
 
-    def read_logits(self) -> np.ndarray:
-        """The pass's logits [T, V] on the host: on a GPU its one device-to-host copy; on the
-        CPU the buffer itself."""
-        return self.logits_view if self.on_host else self.logits.numpy()[0]
+    def read_logits(self, last: bool = False) -> np.ndarray:
+        """The pass's logits [T, V] (`last`: [1, V], the last row's) on the host: on a GPU its
+        one device-to-host copy; on the CPU the buffer itself."""
+        rows = self.logits_view if self.on_host else self.logits.numpy()[0]
+        return rows[:1] if last else rows
 
-    def bind(self, binding: ort.IOBinding) -> None:
-        """Bind this T's token inputs and its logits buffer (the mask: `bind_mask`)."""
+    def bind(self, binding: ort.IOBinding, last: bool = False) -> None:
+        """Bind this T's token inputs and its logits buffer: every row's, or (`last`) only the
+        last row's, written at the buffer's start (the mask: `bind_mask`)."""
         t = self.t
         for name, shape in (("input_ids", [1, t]), ("position_ids", [1, t]), ("write_indices", [1])):
             self._bind_input(binding, name, np.int64, shape)
-        binding.bind_ortvalue_output("logits", self.logits)
+        if not self.takes_rows:
+            binding.bind_ortvalue_output("logits", self.logits)
+            return
+        rows = 1 if last else t
+        self._bind_input(binding, LOGITS_ROWS, np.int64, [rows], skip=t - rows)
+        if last:
+            binding.bind_output("logits", self.device.kind, self.device.index, np.float32,
+                                [1, 1, self.logits.shape()[2]], self.logits.data_ptr())
+        else:
+            binding.bind_ortvalue_output("logits", self.logits)
 
     def bind_mask(self, binding: ort.IOBinding, window: int) -> None:
         """Bind the mask [1, 1, T, window]: the first T*window floats of its room (on the CPU
@@ -403,8 +417,8 @@ class _Stage:
             value = self._masks[window] = ort.OrtValue.ortvalue_from_numpy(room.reshape(1, 1, self.t, window))
         binding.bind_ortvalue_input("attention_mask", value)
 
-    def _bind_input(self, binding: ort.IOBinding, name: str, dtype, shape: list[int]) -> None:
-        address = self.value.data_ptr() + self.offsets[name]
+    def _bind_input(self, binding: ort.IOBinding, name: str, dtype, shape: list[int], skip: int = 0) -> None:
+        address = self.value.data_ptr() + self.offsets[name] + skip * np.dtype(dtype).itemsize
         binding.bind_input(name, self.device.kind, self.device.index, dtype, shape, address)
 
 
@@ -443,7 +457,9 @@ class OrtEngine:
         for value in self._kv_values:
             value.update_inplace(np.zeros(shape, dtype=spec.kv_dtype))
         self._stages: dict[int, _Stage] = {}  # by T
-        self._bindings: dict[int, tuple[ort.IOBinding, list[int]]] = {}  # uncaptured passes by T: binding, its window
+        self._takes_rows = spec.logits_rows
+        # uncaptured passes by (T, last row only): binding, its window
+        self._bindings: dict[tuple[int, bool], tuple[ort.IOBinding, list[int]]] = {}
         self._uncaptured = _run_options(-1) if placement.capture else None
         self._graphs: dict[tuple[int, int], tuple[ort.IOBinding, ort.RunOptions]] = {}  # (T, L) -> captured graph
         self.captured_runs = 0
@@ -484,10 +500,14 @@ class OrtEngine:
         """The (T, L) pass shapes captured so far, in the order of their graph ids (1, 2, ...)."""
         return list(self._graphs)
 
-    def forward(self, token_ids: np.ndarray, start: int, tree: "TreeLayout | None" = None) -> np.ndarray:
+    def forward(self, token_ids: np.ndarray, start: int, tree: "TreeLayout | None" = None,
+                last: bool = False) -> np.ndarray:
         """token_ids [T] at positions start..start+T-1 -> logits [T, V]; with `tree` (engines
         whose `trees` is True), a tree pass: the tokens written at slots start..start+T-1, each
-        at position start + its depth, seeing the context and its ancestors.
+        at position start + its depth, seeing the context and its ancestors. `last`: the caller
+        reads only the last row (a prefill chunk, a draft catching up): the head computes that
+        row alone where the graph takes `logits_rows` (format 2) and the pass is not captured,
+        and the result may then be [1, V]; read it as `[-1]`.
 
         The returned array is this engine's buffer for T (on a GPU, its host copy): valid until
         the next pass of the same T.
@@ -497,12 +517,13 @@ class OrtEngine:
         check_pass(self.name, token_ids, start, self.max_seq, self.vocab_size)
         t = token_ids.shape[0]
         captured = self.placement.capture and t <= self.placement.capture_max_t
+        last = last and t > 1 and not captured and self._takes_rows
         window = window_length(start, t, MIN_WINDOW if captured else None, self.max_seq)
         stage = self._stages.get(t)
         if stage is None:  # allocated once per T, on the first pass of that length
-            stage = self._stages[t] = _Stage(t, self.max_seq, self.vocab_size, self.placement.device)
+            stage = self._stages[t] = _Stage(t, self.max_seq, self.vocab_size, self.placement.device, self._takes_rows)
         stage.stage(token_ids, start, window, self.spec.sliding_window, tree)
-        binding, run_options = self._graph(stage, window) if captured else self._rebind(stage, window)
+        binding, run_options = self._graph(stage, window) if captured else self._rebind(stage, window, last)
         if not stage.on_host:
             binding.synchronize_inputs()  # update_inplace copied from pageable memory: the device has it before the run
         try:
@@ -513,7 +534,7 @@ class OrtEngine:
         except RuntimeError as e:  # onnxruntime's run errors: the graph and the manifest disagree, or the device failed
             raise BundleError(f"{self.name}: ONNX Runtime failed a pass of {t} tokens at {start} "
                               f"({_reason(e)})") from None
-        return stage.read_logits()
+        return stage.read_logits(last)
 
     def move_kv(self, source: np.ndarray, start: int) -> None:
         """Copy the K/V at slots `source` [m] to slots start..start+m-1 in every buffer (a tree
@@ -531,15 +552,15 @@ class OrtEngine:
             binding.bind_ortvalue_output(out, value)
         return binding
 
-    def _rebind(self, stage: _Stage, window: int) -> tuple[ort.IOBinding, ort.RunOptions | None]:
-        """An uncaptured pass: its T's binding (the K/V, token inputs and logits bound once),
-        the mask rebound where its window changed (the exact window moves every pass)."""
+    def _rebind(self, stage: _Stage, window: int, last: bool) -> tuple[ort.IOBinding, ort.RunOptions | None]:
+        """An uncaptured pass: its shape's binding (the K/V, token inputs and logits bound
+        once), the mask rebound where its window changed (the exact window moves every pass)."""
         self.uncaptured_runs += 1
-        entry = self._bindings.get(stage.t)
+        entry = self._bindings.get((stage.t, last))
         if entry is None:
             binding = self._kv_binding()
-            stage.bind(binding)
-            entry = self._bindings[stage.t] = (binding, [0])
+            stage.bind(binding, last)
+            entry = self._bindings[(stage.t, last)] = (binding, [0])
         binding, bound = entry
         if bound[0] != window:
             stage.bind_mask(binding, window)

@@ -192,9 +192,10 @@ class TorchEngine:
             raise AttributeError("kv_arrays: the KV buffers live on the device; use .kv")
         return [t.numpy() for t in self.kv]
 
-    def forward(self, token_ids: np.ndarray, start: int, tree=None) -> np.ndarray:
+    def forward(self, token_ids: np.ndarray, start: int, tree=None, last: bool = False) -> np.ndarray:
         """token_ids [T] at positions start..start+T-1 -> logits [T, V] float32; with `tree` (a
-        TreeLayout, where `trees` is True) a tree pass, run eager.
+        TreeLayout, where `trees` is True) a tree pass, run eager. `last` (the caller reads
+        only the last row) changes nothing here: every row comes back.
 
         The returned array is this engine's buffer for T: valid until the next pass of
         the same T (on a CPU, a fresh array).

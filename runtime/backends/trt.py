@@ -201,8 +201,9 @@ class TrtEngine:
             "host_syncs": self.host_syncs, "fused": self.fused,
         }
 
-    def forward(self, token_ids: np.ndarray, start: int) -> np.ndarray:
-        """token_ids [T] at positions start..start+T-1 -> logits [T, V].
+    def forward(self, token_ids: np.ndarray, start: int, last: bool = False) -> np.ndarray:
+        """token_ids [T] at positions start..start+T-1 -> logits [T, V]. `last` (the caller
+        reads only the last row) changes nothing: a plan takes no logits_rows (see build).
 
         The returned array views this engine's pinned host buffer: valid until the next pass.
         """

@@ -93,7 +93,7 @@ class ModelDrafter:
         probs = None if params.greedy else np.empty((k, self.engine.vocab_size), dtype=np.float64)
         count = 0
         for i in range(k):
-            logits = self.engine.forward(pending, self.length)[-1]
+            logits = self.engine.forward(pending, self.length, last=True)[-1]  # a catch-up: its last row only
             if i == 0:
                 self.first_seconds = time.perf_counter() - t0
             self.fed[self.length : self.length + pending.shape[0]] = pending
