@@ -153,6 +153,7 @@ class DraftLength:
         self.draft = PassCost(prior_slope=0.2, max_tokens=max_k + 1)
         self.probes = Probes()
         self._rounds = 0
+        self._plain_left = 0  # plain rounds left before the rates are evaluated again (SETTLED)
 
     def carry_from(self, earlier: "DraftLength | None") -> "DraftLength":
         """Start from what an earlier greedy generation of the same session measured (its
@@ -166,6 +167,7 @@ class DraftLength:
             self.hits[:n], self.trials[:n] = earlier.hits[:n], earlier.trials[:n]
             self.passes.copy_from(earlier.passes)
             self.draft.copy_from(earlier.draft)
+            self.probes.every = earlier.probes.every  # a draft that held nowhere is probed as rarely
         return self
 
     @property
@@ -206,17 +208,25 @@ class DraftLength:
         self._rounds += 1
         if self.measure and not self.passes.measured and self._rounds == 2:
             return 0  # one plain step: a T = 1 pass for the verify cost's fit
+        if self._plain_left > 0:  # settled on plain steps: a plain round moves the estimates little
+            self._plain_left -= 1
+            return 1 if self.probes.due() else 0
         rates = self.rates()
         # Plain steps unless some k promises more than PAYS: the estimates are noisy, and a
         # gain the model barely predicts is one the round's own overhead can take back.
         best_k = int(rates.argmax())
         if rates[best_k] < self.PAYS:
             best_k = 0
+            self._plain_left = self.SETTLED - 1
         if best_k == 0 and self.probes.due():
             return 1  # drafting does not pay so far: probe now and then in case the text changed
         return best_k
 
     PAYS = 1.03
+    # Plain rounds per evaluation of the rates once they chose plain steps: an evaluation is a
+    # few dozen small numpy calls on caches the pass before just emptied (about 2% of a SmolLM2
+    # int4 step), and only a probe's verdict changes the estimates much.
+    SETTLED = 8
 
     def update(self, proposed: int, accepted: int, draft_seconds: float, verify_seconds: float,
                caught_up: int = 1, draft_passes: int = 0, first_seconds: float = 0.0) -> None:
@@ -230,6 +240,7 @@ class DraftLength:
         rounds that make it look so."""
         a = self.acceptance_decay
         if proposed:
+            self._plain_left = 0  # drafted (a probe, say): evaluate the rates again next round
             self.probes.settle(accepted > 0)
             self.accepted = a * self.accepted + accepted
             self.rejected = a * self.rejected + (accepted < proposed)

@@ -5,7 +5,7 @@ shown to fail a policy pinned where it does not pay."""
 import numpy as np
 import pytest
 
-from specdeploy.runtime.policy import DraftLength, PassCost, TreeSize
+from specdeploy.runtime.policy import DraftLength, PassCost, Probes, TreeSize
 
 
 class World:
@@ -155,6 +155,46 @@ def test_auto_draft_length_follows_acceptance_and_cost_unmeasured():
     assert max(never[40:]) == 1 and never[40:].count(0) >= 150
     assert max(rounds(DraftLength(8, cost_ratio=1.0, measure=False), 20, True)[5:]) <= 1
     assert set(rounds(DraftLength(8, fixed=3), 10, False)) == {3}
+
+
+def _never_holds(policy, rounds):
+    """A draft whose tokens never hold, a plain step of 20 ms, a draft step of 5 ms."""
+    chosen = []
+    for _ in range(rounds):
+        k = policy.choose()
+        chosen.append(k)
+        if k:
+            policy.update(k, 0, 0.005 * k, 0.021 + 0.001 * k, caught_up=2, draft_passes=k, first_seconds=0.005)
+        else:
+            policy.update(0, 0, 0.0, 0.020)
+    return chosen
+
+
+def test_settled_on_plain_steps_the_rates_are_evaluated_once_in_a_while(monkeypatch):
+    """Once the rates choose plain steps, they are evaluated again only every SETTLED plain
+    rounds or after a probe: the same rounds as a policy that evaluates every round (the
+    probes keep their schedule), at a fraction of the host work."""
+    calls = []
+    real = DraftLength.rates
+    monkeypatch.setattr(DraftLength, "rates", lambda self: calls.append(self.SETTLED) or real(self))
+    settled = _never_holds(DraftLength(8, cost_ratio=0.05), 400)
+    settled_calls = len(calls)
+    every = DraftLength(8, cost_ratio=0.05)
+    every.SETTLED = 1
+    calls.clear()
+    assert _never_holds(every, 400) == settled
+    probes = sum(1 for k in settled[50:] if k)
+    assert probes >= 4 and max(settled[50:]) == 1  # plain steps, probed with one token now and then
+    assert len(calls) >= 390 and settled_calls <= 400 // DraftLength.SETTLED + 2 * probes + 20
+
+
+def test_a_later_request_probes_as_rarely_as_the_earlier_one_ended():
+    earlier = DraftLength(8, cost_ratio=0.05)
+    _never_holds(earlier, 400)
+    assert earlier.probes.every == earlier.probes.MAX_EVERY
+    later = DraftLength(8, cost_ratio=0.05).carry_from(earlier)
+    assert later.probes.every == earlier.probes.MAX_EVERY
+    assert DraftLength(8, cost_ratio=0.05, measure=False).carry_from(earlier).probes.every == Probes.PROBE_EVERY
 
 
 # -- a model-free drafter's chains: looked up first, then cut -----------------------------------
