@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from specdeploy.core.manifest import load_bundle
+from specdeploy.core.manifest import FORMAT_VERSION, load_bundle
 from specdeploy.core.errors import BundleError
 from specdeploy.runtime.report import summary
 from specdeploy.runtime.session import Session
@@ -33,8 +33,8 @@ def _bundle_ready(out: Path, draft: str, dtype: str) -> bool:
         bundle = load_bundle(out)
     except BundleError:
         return False
-    if bundle.model("target").dtype != dtype:
-        return False
+    if bundle.model("target").dtype != dtype or bundle.manifest.format_version != FORMAT_VERSION:
+        return False  # another configuration, or graphs of an older format (they run, slower): export again
     if draft == DISTILLED:
         return bundle.draft_kind == "model" and bundle.draft.distilled is not None
     return _spelling(bundle.draft) == draft

@@ -8,6 +8,7 @@ import onnx
 
 from tiny import PROMPTS
 
+from specdeploy.cli.demo import _bundle_ready
 from specdeploy.core.graph_io import LOGITS_ROWS
 from specdeploy.core.manifest import load_bundle, sha256_file
 from specdeploy.export.trt_build import every_row
@@ -73,3 +74,4 @@ def test_a_format_1_bundle_runs_every_row_and_decodes_the_same(bundles, tmp_path
         assert got.token_ids == want.token_ids
     assert "format      specdeploy-bundle v1," in describe(load_bundle(old))
     assert "format      specdeploy-bundle v2," in describe(load_bundle(new))
+    assert _bundle_ready(new, "model", "fp32") and not _bundle_ready(old, "model", "fp32")  # the demo exports anew
