@@ -16,8 +16,7 @@ from typing import Callable
 import torch
 
 from specdeploy.core.errors import BundleError, ExportError
-from specdeploy.core import graph_io
-from specdeploy.core.graph_io import io_names
+from specdeploy.core.graph_io import LOGITS_ROWS, io_names, kv_names
 from specdeploy.core.manifest import ATTENTIONS, MANIFEST, Manifest, ModelSpec, TokenizerEntry, checksums, write_manifest
 
 from .drafts import parse_draft
@@ -59,7 +58,7 @@ def model_window(cfg, max_seq: int) -> int | None:
 def model_entry(graph: SpecGraph, source: Source, role: str, graph_file: str, dtype: str, max_seq: int) -> ModelSpec:
     cfg = source.config
     inputs, outputs = io_names(graph.num_layers)
-    kv_inputs = [name for name, _ in graph_io.kv_names(graph.num_layers)]
+    kv_inputs = [name for name, _ in kv_names(graph.num_layers)]
     kv_shape = [1, graph.num_kv_heads, max_seq, graph.head_dim]
     return ModelSpec(
         role=role,
@@ -84,7 +83,7 @@ def model_entry(graph: SpecGraph, source: Source, role: str, graph_file: str, dt
             "write_indices": ["1"],
             "attention_mask": ["1", "1", "T", "L"],
             **{name: kv_shape for name in kv_inputs},
-            graph_io.LOGITS_ROWS: ["R"],
+            LOGITS_ROWS: ["R"],
         },
         outputs={"logits": ["1", "R", cfg.vocab_size], **{name: kv_shape for name in outputs[1:]}},
         kv_aliases={o: i for i, o in zip(kv_inputs, outputs[1:])},
