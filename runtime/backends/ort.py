@@ -310,8 +310,9 @@ class _Stage:
 
     input_ids [T], position_ids [T], write_indices [1], the mask (room for [T, max_seq]) and
     logits_rows [T] (0..T-1, written once) lie in one byte buffer, each at an aligned offset:
-    a pass fills the host copy and sends it up in one `update_inplace`. Inputs are bound by address with the pass's shape, so the mask
-    [1, 1, T, L] is the first T*L floats of its room, whatever L is.
+    a pass fills the host copy and sends it up in one `update_inplace`. Inputs are bound by
+    address with the pass's shape, so the mask [1, 1, T, L] is the first T*L floats of its
+    room, whatever L is.
 
     On the CPU a decoding step's host work is mostly Python touching memory the pass before it
     pushed out of the caches (a step streams the whole model through them), so every call
@@ -340,9 +341,8 @@ class _Stage:
             self.host_views[name] = self.host[start : start + sizes[name] * np.dtype(dtype).itemsize].view(dtype)
         self.steps = np.arange(t, dtype=np.int64)
         self.host_views[LOGITS_ROWS][:] = self.steps
-        ints = memoryview(self.host).cast("q")  # int64 items: a single step's inputs, written without numpy
+        self._ints = memoryview(self.host).cast("q")  # int64 items: a single step's inputs, written without numpy
         self._slots = tuple(self.offsets[name] // 8 for name in ("input_ids", "position_ids", "write_indices"))
-        self._ints = ints
         self.on_host = device.kind == "cpu"
         self._masks: dict[int, ort.OrtValue] = {}  # on the CPU: the mask [1, 1, T, L] by L, over the room
         self._zeros = max_seq  # T = 1: the mask room's leading floats known to be zero (all, as allocated)
