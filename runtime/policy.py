@@ -97,6 +97,14 @@ class Probes:
             self._waited = 0
         return self.pending
 
+    def carry_from(self, earlier: "Probes") -> None:
+        """A new request after `earlier`'s: its text may differ, so its first probe comes after
+        PROBE_EVERY plain rounds as ever; if that one fails, the spacing is the one `earlier`
+        had reached, not PROBE_EVERY doubled again (a draft that held nowhere costs one probe
+        a request, not four per 128 tokens)."""
+        self.every = earlier.every
+        self._waited = max(0, self.every - self.PROBE_EVERY)
+
     def settle(self, held: bool) -> None:
         """After a round: whether its draft tokens held (any)."""
         if self.pending:
@@ -167,7 +175,7 @@ class DraftLength:
             self.hits[:n], self.trials[:n] = earlier.hits[:n], earlier.trials[:n]
             self.passes.copy_from(earlier.passes)
             self.draft.copy_from(earlier.draft)
-            self.probes.every = earlier.probes.every  # a draft that held nowhere is probed as rarely
+            self.probes.carry_from(earlier.probes)
         return self
 
     @property

@@ -188,12 +188,17 @@ def test_settled_on_plain_steps_the_rates_are_evaluated_once_in_a_while(monkeypa
     assert len(calls) >= 390 and settled_calls <= 400 // DraftLength.SETTLED + 2 * probes + 20
 
 
-def test_a_later_request_probes_as_rarely_as_the_earlier_one_ended():
+def test_a_later_request_probes_early_once_then_as_rarely_as_the_earlier_one_ended():
     earlier = DraftLength(8, cost_ratio=0.05)
     _never_holds(earlier, 400)
-    assert earlier.probes.every == earlier.probes.MAX_EVERY
+    assert earlier.probes.every == Probes.MAX_EVERY
     later = DraftLength(8, cost_ratio=0.05).carry_from(earlier)
-    assert later.probes.every == earlier.probes.MAX_EVERY
+    chosen = _never_holds(later, 200)
+    probes = [r for r, k in enumerate(chosen) if k]
+    assert probes[0] == Probes.PROBE_EVERY - 1  # a new text: the first probe comes as early as ever
+    assert np.diff(probes).tolist() == [Probes.MAX_EVERY] * (len(probes) - 1)  # then as rarely as before
+    fresh = _never_holds(DraftLength(8, cost_ratio=0.05), 200)
+    assert sum(1 for k in fresh[2:] if k) > len(probes)  # a fresh policy probes more: 8, 16, 32, 64 apart
     assert DraftLength(8, cost_ratio=0.05, measure=False).carry_from(earlier).probes.every == Probes.PROBE_EVERY
 
 
