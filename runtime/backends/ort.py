@@ -365,20 +365,18 @@ class _Stage:
             if window > self._zeros:  # a padded window's -inf were written there
                 v["attention_mask"][self._zeros : window] = 0
                 self._zeros = window
-            if not self.on_host:
-                self.value.update_inplace(self.host)
-            return
-        if t == 1:  # the fills below leave -inf past the step (and, in a sliding window, before it)
-            self._zeros = 0 if sliding_window is not None else min(self._zeros, start)
-        v["input_ids"][:] = token_ids
-        v["write_indices"][0] = start
-        mask = v["attention_mask"][: t * window].reshape(t, window)
-        if tree is None:
-            np.add(self.steps, start, out=v["position_ids"])
-            fill_mask(mask, start, sliding_window)
         else:
-            v["position_ids"][:] = start + tree.offsets
-            fill_tree_mask(mask, start, tree.visible)
+            if t == 1:  # the fills below leave -inf past the step (and, in a sliding window, before it)
+                self._zeros = 0 if sliding_window is not None else min(self._zeros, start)
+            v["input_ids"][:] = token_ids
+            v["write_indices"][0] = start
+            mask = v["attention_mask"][: t * window].reshape(t, window)
+            if tree is None:
+                np.add(self.steps, start, out=v["position_ids"])
+                fill_mask(mask, start, sliding_window)
+            else:
+                v["position_ids"][:] = start + tree.offsets
+                fill_tree_mask(mask, start, tree.visible)
         if not self.on_host:
             self.value.update_inplace(self.host)
 
@@ -458,8 +456,9 @@ class OrtEngine:
             value.update_inplace(np.zeros(shape, dtype=spec.kv_dtype))
         self._stages: dict[int, _Stage] = {}  # by T
         self._takes_rows = spec.logits_rows
-        # uncaptured passes by (T, last row only): binding, its window
-        self._bindings: dict[tuple[int, bool], tuple[ort.IOBinding, list[int]]] = {}
+        # uncaptured passes by (T, last row only): their binding, and the window its mask has
+        self._bindings: dict[tuple[int, bool], ort.IOBinding] = {}
+        self._windows: dict[tuple[int, bool], int] = {}
         self._uncaptured = _run_options(-1) if placement.capture else None
         self._graphs: dict[tuple[int, int], tuple[ort.IOBinding, ort.RunOptions]] = {}  # (T, L) -> captured graph
         self.captured_runs = 0
@@ -556,15 +555,14 @@ class OrtEngine:
         """An uncaptured pass: its shape's binding (the K/V, token inputs and logits bound
         once), the mask rebound where its window changed (the exact window moves every pass)."""
         self.uncaptured_runs += 1
-        entry = self._bindings.get((stage.t, last))
-        if entry is None:
-            binding = self._kv_binding()
+        key = (stage.t, last)
+        binding = self._bindings.get(key)
+        if binding is None:
+            binding = self._bindings[key] = self._kv_binding()
             stage.bind(binding, last)
-            entry = self._bindings[(stage.t, last)] = (binding, [0])
-        binding, bound = entry
-        if bound[0] != window:
+        if self._windows.get(key) != window:
             stage.bind_mask(binding, window)
-            bound[0] = window
+            self._windows[key] = window
         return binding, self._uncaptured
 
     def _graph(self, stage: _Stage, window: int) -> tuple[ort.IOBinding, ort.RunOptions]:
