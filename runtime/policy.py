@@ -218,14 +218,15 @@ class DraftLength:
             return 0  # one plain step: a T = 1 pass for the verify cost's fit
         if self._plain_left > 0:  # settled on plain steps: a plain round moves the estimates little
             self._plain_left -= 1
-            return 1 if self.probes.due() else 0
-        rates = self.rates()
-        # Plain steps unless some k promises more than PAYS: the estimates are noisy, and a
-        # gain the model barely predicts is one the round's own overhead can take back.
-        best_k = int(rates.argmax())
-        if rates[best_k] < self.PAYS:
             best_k = 0
-            self._plain_left = self.SETTLED - 1
+        else:
+            rates = self.rates()
+            # Plain steps unless some k promises more than PAYS: the estimates are noisy, and a
+            # gain the model barely predicts is one the round's own overhead can take back.
+            best_k = int(rates.argmax())
+            if rates[best_k] < self.PAYS:
+                best_k = 0
+                self._plain_left = self.SETTLED - 1
         if best_k == 0 and self.probes.due():
             return 1  # drafting does not pay so far: probe now and then in case the text changed
         return best_k
