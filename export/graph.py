@@ -98,6 +98,22 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+def _packed_qkv(attn: nn.Module) -> nn.Module:
+    """One Linear computing q | k | v (their weights and biases stacked), or the module's own
+    qkv_proj where it has one (export/quantize.py fuses the quantized projections itself).
+    The source's projections stay as they are: its modules are shared with the source model."""
+    if hasattr(attn, "qkv_proj"):
+        return attn.qkv_proj
+    parts = (attn.q_proj, attn.k_proj, attn.v_proj)
+    weight = torch.cat([p.weight.detach() for p in parts])
+    packed = nn.Linear(weight.shape[1], weight.shape[0], bias=parts[0].bias is not None,
+                       dtype=weight.dtype, device=weight.device)
+    packed.weight.data = weight
+    if packed.bias is not None:
+        packed.bias.data = torch.cat([p.bias.detach() for p in parts])
+    return packed.requires_grad_(False)
+
+
 def restrict_head(hf_model: nn.Module, vocab: list[int]) -> None:
     """Give the model a head over `vocab`'s tokens only, in place (a distilled draft: N of
     V rows, so the head costs N/V). SpecGraph(head_vocab=vocab) then gives every other
@@ -141,6 +157,7 @@ class SpecGraph(nn.Module):
         self.inplace = inplace  # eager runs over caller-owned buffers write in place
         self.contrib_ops = False  # see use_contrib_ops
         self.fused = False
+        self.qkv = None  # the fused graphs' packed q|k|v projections, one a layer (see use_contrib_ops)
         self.skip_norms = False  # see use_contrib_ops
         self.vocab_size = cfg.vocab_size
         # A distilled draft's head covers these tokens only (see restrict_head); None: all.
@@ -164,6 +181,10 @@ class SpecGraph(nn.Module):
         self.contrib_ops = True
         self.skip_norms = True
         self.fused = fused
+        if fused:
+            # GroupQueryAttention reads q|k|v packed: one MatMul a layer, not three and a Concat
+            # (at T = 1 a node's own cost is a large part of its time)
+            self.qkv = nn.ModuleList(_packed_qkv(layer.self_attn) for layer in self.layers)
 
     @property
     def num_layers(self) -> int:
@@ -182,10 +203,10 @@ class SpecGraph(nn.Module):
         h = h + delta
         return rms_norm(norm, h), h
 
-    def _attention(self, attn: nn.Module, x, position_ids, write_indices, attention_mask, mask, cos, sin, key_cache,
-                   value_cache):
-        """-> (output [B, T, H*D], key cache, value cache) for one layer. `mask`: the additive
-        mask as attention_reference reads it."""
+    def _attention(self, layer: int, attn: nn.Module, x, position_ids, write_indices, attention_mask, mask, cos, sin,
+                   key_cache, value_cache):
+        """-> (output [B, T, H*D], key cache, value cache) for layer `layer`. `mask`: the
+        additive mask as attention_reference reads it."""
         from .contrib import attention_reference, fused_attention_eager, group_query_attention
 
         b, t, _ = x.shape
@@ -193,7 +214,7 @@ class SpecGraph(nn.Module):
         d = self.head_dim
         fused_qkv = hasattr(attn, "qkv_proj")  # by export/quantize.py: one node for the three
         if self.fused:
-            qkv = attn.qkv_proj(x) if fused_qkv else torch.cat((attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)), -1)
+            qkv = self.qkv[layer](x)
             args = (qkv, key_cache, value_cache, write_indices, attention_mask, self.cos_cache.to(x.dtype),
                     self.sin_cache.to(x.dtype), self.num_heads, self.num_kv_heads, self.scaling)
             return fused_attention_eager(*args, write=write) if self.inplace else group_query_attention(*args)
@@ -231,7 +252,7 @@ class SpecGraph(nn.Module):
         for i, layer in enumerate(self.layers):
             x, h = self._norm(layer.input_layernorm, h, delta)
             out, key_cache, value_cache = self._attention(
-                layer.self_attn, x, position_ids, write_indices, attention_mask, mask, cos, sin, past[2 * i], past[2 * i + 1]
+                i, layer.self_attn, x, position_ids, write_indices, attention_mask, mask, cos, sin, past[2 * i], past[2 * i + 1]
             )
             presents += [key_cache, value_cache]
             x, h = self._norm(layer.post_attention_layernorm, h, layer.self_attn.o_proj(out))

@@ -179,6 +179,11 @@ def test_fused_graph_uses_the_fused_ops_and_records_it(fused_bundles):
     assert norms and all(list(n.output[1:3]) in (["", ""], []) and n.output[0] for n in norms)
     assert sum(len(n.output) == 4 and bool(n.output[3]) for n in norms) == len(norms) - 1  # all but the last carry the sum
     assert not {"TensorScatter", "Softmax"} & ops
+    # each attention reads q|k|v packed from one MatMul, not three MatMuls and a Concat
+    producer = {out: n for n in nodes for out in n.output}
+    attention = [n for n in nodes if n.op_type == "GroupQueryAttention"]
+    assert attention and all(producer[n.input[0]].op_type == "MatMul" for n in attention)
+    assert "Concat" not in {producer[i].op_type for n in attention for i in producer[n.input[0]].input if i in producer}
     manifest = json.loads((path / "manifest.json").read_text())
     assert manifest["models"]["target"]["attention"] == "fused"
     assert manifest["models"]["target"]["parity"]["max_rel_diff_ort_vs_eager"] <= 1e-4
