@@ -380,9 +380,11 @@ def main() -> None:
     from specdeploy.runtime import Session
     from specdeploy.runtime.bench import read_prompts
 
+    def load_genai() -> list[GenaiEngine]:  # their EOS ids are set once our first bundle is loaded
+        return [GenaiEngine(name, Path(folder), args.threads, set()) for name, _, folder in genai]
+
     engines: list = []
-    genai_engines = [GenaiEngine(name, Path(folder), args.threads, set()) for name, _, folder in genai] \
-        if args.genai_first else []
+    genai_engines = load_genai() if args.genai_first else []
     sessions = {}
     for name, path in zip(unique_names(args.bundles), args.bundles):
         session = Session(path, threads=args.threads, prompt_cache=False)  # every run processes its prompt whole
@@ -394,10 +396,10 @@ def main() -> None:
             engines.append(OurEngine(f"{name} spec", session, speculate=True, plain_name=f"{name} plain"))
     first = next(iter(sessions.values()))
     eos = set(first.eos_token_ids)
-    for engine in genai_engines or [GenaiEngine(name, Path(folder), args.threads, eos) for name, _, folder in genai]:
+    for engine in genai_engines if args.genai_first else load_genai():
         engine.eos_token_ids = eos
         if engine.config_eos() != eos:
-            print(f"note: {name} stops at its EOS ids {sorted(engine.config_eos())}; ours are {sorted(eos)}",
+            print(f"note: {engine.name} stops at its EOS ids {sorted(engine.config_eos())}; ours are {sorted(eos)}",
                   file=sys.stderr)
         engines.append(engine)
     names = [e.name for e in engines]
