@@ -184,24 +184,14 @@ class DraftLength:
         return self.accepted / (self.accepted + self.rejected)
 
     POSITION_PRIOR = 2.0  # rounds `acceptance` counts for at each position
-    OPTIMISM = 1.0  # of a position's estimate: this many standard deviations over the rounds that judged it
 
     def held(self) -> np.ndarray:
         """The chance that draft position 1..max_k holds, given that the ones before it held:
         measured per position, drawn toward `acceptance` (the positions rarely judged follow
         it). It is not one number: SmolLM2's int4 self-draft held 0.92, 0.91, 0.90, 0.87, 0.84
-        at positions 1..5, and a single rate drafts past where it pays.
-
-        Each estimate is raised by OPTIMISM * sqrt(h (1 - h)) / n, n the rounds that judged it
-        (pseudo-counts included): a position is judged only in rounds that draft that far,
-        so one early rejection at position 3 would otherwise pull its estimate to 0.5-0.6,
-        keep k at 2 and never be judged again (a replay of the int4 self-draft's first
-        prompt: k = 2 for 20 rounds, 1.33x where k = 3 gave 1.50x). The bonus fades as the
-        rounds that judge it add up. `benchmarks/policy_replay.py` chose it (README)."""
+        at positions 1..5, and a single rate drafts past where it pays."""
         a = min(self.acceptance, 0.999)
-        n = self.POSITION_PRIOR + self.trials
-        h = (self.POSITION_PRIOR * a + self.hits) / n
-        return np.minimum(h + self.OPTIMISM * np.sqrt(h * (1.0 - h)) / n, 0.999)
+        return np.minimum((self.POSITION_PRIOR * a + self.hits) / (self.POSITION_PRIOR + self.trials), 0.999)
 
     def costs(self) -> tuple[float, float, np.ndarray]:
         """(first draft pass, draft step, verify pass at T = 1..max_k+1), in seconds once

@@ -101,49 +101,6 @@ def test_auto_is_not_misled_by_a_slow_first_step():
     assert 2 <= policy.choose() <= 5
 
 
-# a target pass at T = 1..9 and the draft's passes, as measured for SmolLM2 fp32 + int4 self-draft
-REPLAY_PASSES = [0.0202, 0.0212, 0.0221, 0.0225, 0.0228, 0.0235, 0.0257, 0.0261, 0.0271]
-REPLAY_STEP, REPLAY_FIRST = 0.0082, 0.0085
-
-
-def draft_lengths_after_an_early_rejection(policy, seed, rounds=20, a=0.92):
-    """The k `policy` chooses round by round where each position holds with chance `a`, except
-    that the first round drafting 3 or more is rejected at position 3."""
-    rng, ks, rejected = np.random.default_rng(seed), [], False
-    for _ in range(rounds):
-        k = policy.choose()
-        ks.append(k)
-        if k == 0:
-            policy.update(0, 0, 0.0, REPLAY_PASSES[0])
-            continue
-        held = 0
-        while held < k and rng.random() < a:
-            held += 1
-        if k >= 3 and not rejected:
-            held, rejected = 2, True
-        policy.update(k, held, REPLAY_FIRST + (k - 1) * REPLAY_STEP, REPLAY_PASSES[k], caught_up=2, draft_passes=k,
-                      first_seconds=REPLAY_FIRST)
-    return ks
-
-
-def test_one_early_rejection_does_not_lock_the_draft_length_below_it():
-    """A position is judged only in rounds that draft that far: without the optimism of
-    `held`, one rejection at position 3 in the first rounds kept k at 2 or less for the next
-    ten rounds in every seed (the companion below), where k = 3..8 pays more."""
-    for seed in range(5):
-        ks = draft_lengths_after_an_early_rejection(DraftLength(8, cost_ratio=0.4), seed)
-        assert max(ks[3:13]) >= 3, (seed, ks)
-
-
-def test_without_optimism_the_early_rejection_locks_k(monkeypatch):
-    """Companion: the same rounds with the optimism off stay at k <= 2 (what the test above
-    would catch if the optimism were lost)."""
-    monkeypatch.setattr(DraftLength, "OPTIMISM", 0.0)
-    for seed in range(5):
-        ks = draft_lengths_after_an_early_rejection(DraftLength(8, cost_ratio=0.4), seed)
-        assert max(ks[3:13]) <= 2, (seed, ks)
-
-
 def test_pass_cost_fits_the_line_and_falls_back_on_the_prior_slope():
     cost = PassCost(decay=1.0)
     assert not cost.measured and cost.fit() == (1.0, PassCost.PRIOR_SLOPE)  # relative, before any pass
