@@ -80,7 +80,9 @@ class Costs:
     verify pass 28.1 ms after four draft steps against 27.4 ms after a target step, side by
     side): `plain` a target step among plain steps; per k = 1..max_draft, a round's first
     draft pass (feeding 2 tokens), its later draft steps (mean) and its verify pass;
-    `catch_up[T]` a draft pass of T tokens less one of 2 (a first pass after plain steps)."""
+    `catch_up[T]` a draft pass of T tokens less one of 2, never below 0 (a first pass after
+    plain steps; one of 1 token, after a rejection, is priced as one of 2: 0.3 ms dear for
+    the int4 self-draft, in every policy alike)."""
 
     plain: float
     first: np.ndarray  # [k], index 0 unused
