@@ -132,7 +132,6 @@ def replay(held: np.ndarray, cost: Costs, policy: DraftLength | int, noise: floa
            rng: np.random.Generator | None) -> tuple[float, float]:
     """(speedup over plain decoding, tokens per target pass) of one prompt's rounds."""
     n, p, seconds, passes, unseen = len(held), 1, 0.0, 0, 1
-    max_k = len(cost.first) - 1
     jitter = (lambda: float(np.exp(rng.normal(0.0, noise)))) if noise else (lambda: 1.0)  # noqa: E731
     while p < n:
         k = policy if isinstance(policy, int) else policy.choose()
@@ -157,6 +156,20 @@ def replay(held: np.ndarray, cost: Costs, policy: DraftLength | int, noise: floa
         unseen = 2 if accepted == k else 1
         p += accepted + 1
     return (n - 1) * cost.plain / seconds, (n - 1) / passes
+
+
+def replay_policies(helds: list[np.ndarray], cost: Costs, cost_ratio: float, noise: float, rng: np.random.Generator,
+                    policy: type[DraftLength] = DraftLength) -> dict[str, list[tuple[float, float]]]:
+    """Each fixed k = 0..max_k and `auto` (`policy`, carried from prompt to prompt as a session
+    carries it) over every prompt's trace: {"k=0": [(speedup, tokens per pass) per prompt], ...,
+    "auto": [...]}. Only `auto` draws on `rng` (its timing scatter)."""
+    max_k = len(cost.first) - 1
+    results = {f"k={k}": [replay(held, cost, k, 0.0, None) for held in helds] for k in range(max_k + 1)}
+    auto, results["auto"] = None, []
+    for held in helds:
+        auto = policy(max_k, cost_ratio=cost_ratio, measure=True).carry_from(auto)
+        results["auto"].append(replay(held, cost, auto, noise, rng))
+    return results
 
 
 def main() -> None:
@@ -202,16 +215,8 @@ def main() -> None:
     print(f"ms, in rounds of k = 1..{max_k} (plain step {cost.plain * 1e3:.1f}):")
     for name in ("first", "step", "verify"):
         print(f"  {name:6s}", " ".join(f"{x * 1e3:5.1f}" for x in getattr(cost, name)[1:]))
-    rng = np.random.default_rng(args.seed)
-    policies: dict[str, list] = {f"k={k}": [] for k in range(max_k + 1)} | {"auto": []}
-    auto = None
-    for _, _, held in traces:
-        for name in policies:
-            if name == "auto":
-                auto = policy(max_k, cost_ratio=cost_ratio, measure=True).carry_from(auto)
-                policies[name].append(replay(held, cost, auto, args.noise, rng))
-            else:
-                policies[name].append(replay(held, cost, int(name[2:]), 0.0, rng))
+    policies = replay_policies([held for _, _, held in traces], cost, cost_ratio, args.noise,
+                               np.random.default_rng(args.seed), policy)
     summary = {name: (statistics.median(r[0] for r in rs), statistics.median(r[1] for r in rs))
                for name, rs in policies.items()}
     best = max((n for n in summary if n != "auto"), key=lambda n: summary[n][0])

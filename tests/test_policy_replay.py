@@ -46,15 +46,11 @@ def test_costs_survive_the_json_round_trip():
 def auto_over_best(path: Path, seeds=range(3)) -> float:
     saved = json.loads(path.read_text())
     cost, helds = replay_mod.Costs.from_json(saved["costs"]), [np.array(h) for h in saved["held"]]
-    max_k = len(cost.first) - 1
-    best = max(statistics.median(replay_mod.replay(h, cost, k, 0.0, None)[0] for h in helds) for k in range(max_k + 1))
     ratios = []
     for seed in seeds:
-        rng, auto, got = np.random.default_rng(seed), None, []
-        for h in helds:
-            auto = DraftLength(max_k, cost_ratio=saved["cost_ratio"], measure=True).carry_from(auto)
-            got.append(replay_mod.replay(h, cost, auto, 0.05, rng)[0])
-        ratios.append(statistics.median(got) / best)
+        runs = replay_mod.replay_policies(helds, cost, saved["cost_ratio"], 0.05, np.random.default_rng(seed), DraftLength)
+        speedups = {name: statistics.median(r[0] for r in rs) for name, rs in runs.items()}
+        ratios.append(speedups.pop("auto") / max(speedups.values()))
     return statistics.median(ratios)
 
 
