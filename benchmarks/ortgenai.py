@@ -72,6 +72,9 @@ the first fp32 bundle's plain decoding): prompts with token-identical output, an
 prompts that differ, the median index of the first differing token. Speculative outputs
 are also compared with their own bundle's plain output (they must all be identical), and
 each engine's repeats with its first (a check of determinism).
+
+`--graph-ops` compares the graphs instead of running them: each bundle's target graph and
+each --genai model, as ONNX Runtime's optimizer leaves them (the nodes a step runs), by op.
 """
 from __future__ import annotations
 
@@ -82,7 +85,9 @@ import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -333,6 +338,24 @@ def write_json(path: Path, args, engines: list, prompts: list[str], prompt_ids: 
     path.write_text(json.dumps({"meta": meta, "summary": summary, "rows": rows}, indent=2) + "\n")
 
 
+def optimized_ops(graph: Path) -> Counter:
+    """Nodes by op type of `graph` as ONNX Runtime runs it on the CPU (all optimizations on, as
+    both runtimes load their graphs): written out by the session and read back."""
+    import onnx
+    import onnxruntime as ort
+
+    with tempfile.TemporaryDirectory() as tmp:
+        so = ort.SessionOptions()
+        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        so.log_severity_level = 3
+        so.optimized_model_filepath = str(Path(tmp) / "optimized.onnx")
+        so.add_session_config_entry("session.optimized_model_external_initializers_file_name", "optimized.data")
+        so.add_session_config_entry("session.optimized_model_external_initializers_min_size_in_bytes", "1024")
+        ort.InferenceSession(str(graph), so, providers=["CPUExecutionProvider"])
+        model = onnx.load(so.optimized_model_filepath, load_external_data=False)
+    return Counter(node.op_type for node in model.graph.node)
+
+
 def unique_names(paths: list[str]) -> list[str]:
     names = [Path(p).name for p in paths]
     return names if len(set(names)) == len(names) else [str(p) for p in paths]
@@ -357,7 +380,17 @@ def main() -> None:
     ap.add_argument("--build-genai", metavar="OUT_DIR", help="build ORT-GenAI's models (see above) and exit")
     ap.add_argument("--gguf", help="source for --build-genai (default: the embedded default)")
     ap.add_argument("--precisions", default="int4,fp32", help="builder precisions for --build-genai")
+    ap.add_argument("--graph-ops", action="store_true",
+                    help="print each graph's nodes by op after ONNX Runtime's optimizer (the graphs the sessions "
+                         "run), and exit: no ORT-GenAI package needed")
     args = ap.parse_args()
+    if args.graph_ops:
+        graphs = [(name, Path(path) / "target.onnx") for name, path in zip(unique_names(args.bundles), args.bundles)]
+        graphs += [(name, Path(folder) / "model.onnx") for name, _, folder in (g.partition("=") for g in args.genai)]
+        for name, graph in graphs:
+            ops = optimized_ops(graph)
+            print(f"{name}: {sum(ops.values())} nodes  " + "  ".join(f"{op} {n}" for op, n in sorted(ops.items())))
+        return
     if args.build_genai:
         from specdeploy.export import embedded_default
 

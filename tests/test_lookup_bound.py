@@ -1,0 +1,50 @@
+"""benchmarks/lookup_bound.py: the oracle that bounds model-free drafting, on sequences whose
+answer is known (no models)."""
+import doctest
+import importlib.util
+import sys
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).parents[1]
+spec = importlib.util.spec_from_file_location("lookup_bound", ROOT / "benchmarks" / "lookup_bound.py")
+bound = importlib.util.module_from_spec(spec)
+sys.modules[spec.name] = bound
+spec.loader.exec_module(bound)
+
+
+def test_docstring_examples():
+    assert doctest.testmod(bound).failed == 0
+
+
+def test_an_output_that_repeats_the_prompt_commits_depth_plus_one_a_pass():
+    """The prompt said it all: every round verifies `depth` held tokens and the target's own."""
+    rng = np.random.default_rng(0)
+    prompt = rng.permutation(1000)[:200]  # no token twice: each context occurs once
+    out = prompt[10:10 + 90].copy()  # the answer copies the prompt from its 11th token
+    prompt = np.concatenate([prompt, prompt[8:10]])  # ... after the two tokens it ends with
+    for c in (2, 1, 0):
+        per_pass, _ = bound.replay(prompt, out, np.empty(0, dtype=np.int64), c, depth=8)
+        assert per_pass == 90 / 10, c  # 10 rounds of 9 tokens
+
+
+def test_new_tokens_commit_one_a_pass_and_a_shared_corpus_supplies_them():
+    """Tokens never seen before: one a pass. The same output in an earlier request: the shared
+    scope finds it, the own scope does not; a separator keeps texts from running into each other."""
+    prompt = np.arange(100, 120)
+    out = np.arange(500, 564)
+    empty = np.empty(0, dtype=np.int64)
+    assert bound.replay(prompt, out, empty, 1, depth=8)[0] == 1.0
+    earlier = np.concatenate([prompt, out, [bound.SEPARATOR]])
+    for c in (2, 1, 0):  # rounds of 9 tokens, then the 64th alone: 8 rounds
+        assert bound.replay(prompt, out, earlier, c, depth=8)[0] == 8.0, c
+    assert bound.replay(prompt, out, empty, 2, depth=8)[0] == 1.0
+
+
+def test_a_context_must_match_in_full():
+    """c = 2 finds only continuations after both last tokens; c = 1 after the last alone."""
+    corpus = np.array([1, 2, 3, 4, 9, 2, 7, 8, 5, 2])  # "2" occurs after 1, 9, 5; "5 2" only at the end
+    assert bound.best_continuation(corpus, 2, np.array([7, 8]), 8) == (0, 0)
+    assert bound.best_continuation(corpus, 1, np.array([7, 8]), 8) == (2, 2)
+    assert bound.best_continuation(corpus, 1, np.array([3, 4, 9]), 2) == (2, 2)  # capped at the depth
