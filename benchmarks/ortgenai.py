@@ -388,6 +388,8 @@ def main() -> None:
         graphs = [(name, Path(path) / "target.onnx") for name, path in zip(unique_names(args.bundles), args.bundles)]
         graphs += [(name, Path(folder) / "model.onnx") for name, _, folder in (g.partition("=") for g in args.genai)]
         for name, graph in graphs:
+            if not graph.is_file():
+                sys.exit(f"{name}: no graph at {graph}")
             ops = optimized_ops(graph)
             print(f"{name}: {sum(ops.values())} nodes  " + "  ".join(f"{op} {n}" for op, n in sorted(ops.items())))
         return
