@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -85,6 +86,7 @@ def replay(prompt: np.ndarray, output: np.ndarray, shared: np.ndarray, context: 
 
 
 def main() -> None:
+    from specdeploy.core.errors import SpecdeployError
     from specdeploy.runtime import Session
     from specdeploy.runtime.bench import read_prompts
 
@@ -96,10 +98,14 @@ def main() -> None:
     ap.add_argument("--depth", type=int, default=8, help="longest continuation a round verifies (a bundle's max draft)")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
-    session = Session(args.bundle, prompt_cache=False)
+    try:
+        session = Session(args.bundle, prompt_cache=False)
+        prompts = read_prompts(Path(args.prompts))[: args.limit]
+    except (SpecdeployError, OSError) as e:
+        sys.exit(f"lookup_bound: {e}")
     shared = np.empty(0, dtype=np.int64)
     rows = []
-    for prompt in read_prompts(Path(args.prompts))[: args.limit]:
+    for prompt in prompts:
         ids = np.asarray(session.encode(prompt, chat=True), dtype=np.int64)
         out = np.asarray(session.generate(prompt_ids=ids, max_new_tokens=args.max_new_tokens, speculate=False).token_ids,
                          dtype=np.int64)
