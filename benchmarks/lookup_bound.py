@@ -11,7 +11,8 @@ pass, *every* continuation (up to D tokens) that followed an occurrence of the l
 committed tokens, a tree of unlimited size, and keeps the longest the target agrees with.
 A round commits that many tokens plus the target's own; tokens per pass is the output's
 length over the rounds. No drafter with the same candidates does better, whatever its
-scores, budget or tree size policy.
+scores, budget or tree size policy (where a continuation holds from one position, its tail
+holds from the next, so a round that commits more never leaves a worse start: tests).
 
     c = 2   the suffix index's shortest context (it matches 8 tokens down to 2)
     c = 1   the last token alone
@@ -103,6 +104,8 @@ def main() -> None:
         prompts = read_prompts(Path(args.prompts))[: args.limit]
     except (SpecdeployError, OSError) as e:
         sys.exit(f"lookup_bound: {e}")
+    if not prompts:
+        sys.exit(f"lookup_bound: {args.prompts}: no prompts (one per non-blank line)")
     shared = np.empty(0, dtype=np.int64)
     rows = []
     for prompt in prompts:
