@@ -71,10 +71,10 @@ def test_the_suffix_drafter_never_beats_the_bound_of_its_context():
         while p < out.shape[0]:
             tree = drafter.propose_tree(np.concatenate([prompt, out[:p]]), 10_000, 8)
             truth = out[p:]
+            depths = np.concatenate([[0], tree.depths()])  # row 0 is the root, row i + 1 node i
 
             def target_token(row):  # greedy verification against the known output: its token at that depth
-                depth = len(path_of(tree, row))
-                return int(truth[depth]) if depth < truth.shape[0] else -1
+                return int(truth[depths[row]]) if depths[row] < truth.shape[0] else -1
 
             path, _ = accept_tree(tree, target_token)
             p += min(len(path), out.shape[0] - p - 1) + 1
@@ -84,12 +84,3 @@ def test_the_suffix_drafter_never_beats_the_bound_of_its_context():
         assert drafted <= bound_ + 1e-9, (trial, drafted, bound_)
         reached += drafted == bound_
     assert reached >= 5, reached
-
-
-def path_of(tree, row):
-    """The nodes from the root down to the node of `row` (row 0: the root, none)."""
-    out, node = [], row - 1
-    while node >= 0:
-        out.append(node)
-        node = int(tree.parents[node])
-    return out
