@@ -25,7 +25,7 @@ from pathlib import Path
 
 from specdeploy.runtime import Session
 from specdeploy.runtime.backends.ort import share_cpu_threads
-from specdeploy.runtime.bench import read_prompts
+from specdeploy.runtime.tools.bench import read_prompts
 
 HERE = Path(__file__).parent
 

@@ -19,7 +19,7 @@ target hidden state and log-probs at every position). It is measured on the targ
 greedy answers to the benchmark prompts (never trained on): top-1 agreement with the
 target's next-but-one token, and how many of those tokens the head's vocabulary covers.
 
-Read with DESIGN.md section 4: at draft length 1 a draft with agreement a and cost c
+Read with docs/design.md, "The cost model": at draft length 1 a draft with agreement a and cost c
 speeds decoding up by (1 + a) / (v + c) at most, v being a two-token verify pass's cost
 relative to a single step (`specdeploy bench` prints it).
 """
@@ -37,7 +37,7 @@ from torch import nn
 
 from specdeploy.export.distill import DistillSettings, answer, generate_data
 from specdeploy.export.load import embedded_default, load_source
-from specdeploy.runtime.bench.inputs import read_prompts
+from specdeploy.runtime.tools.bench.inputs import read_prompts
 
 HERE = Path(__file__).parent
 VOCAB = 8192

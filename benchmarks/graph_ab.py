@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from specdeploy.runtime import Session
-from specdeploy.runtime.bench import read_prompts
+from specdeploy.runtime.tools.bench import read_prompts
 
 HERE = Path(__file__).parent
 

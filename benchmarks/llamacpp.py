@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 from specdeploy.runtime import Session
-from specdeploy.runtime.bench.inputs import read_prompts
+from specdeploy.runtime.tools.bench.inputs import read_prompts
 
 HERE = Path(__file__).parent
 

@@ -89,7 +89,7 @@ def replay(prompt: np.ndarray, output: np.ndarray, shared: np.ndarray, context: 
 def main() -> None:
     from specdeploy.core.errors import SpecdeployError
     from specdeploy.runtime import Session
-    from specdeploy.runtime.bench import read_prompts
+    from specdeploy.runtime.tools.bench import read_prompts
 
     ap = argparse.ArgumentParser()
     ap.add_argument("bundle")

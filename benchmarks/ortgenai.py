@@ -413,7 +413,7 @@ def main() -> None:
     import onnxruntime as ort
 
     from specdeploy.runtime import Session
-    from specdeploy.runtime.bench import read_prompts
+    from specdeploy.runtime.tools.bench import read_prompts
 
     def load_genai() -> list[GenaiEngine]:  # their EOS ids are set once our first bundle is loaded
         return [GenaiEngine(name, Path(folder), args.threads, set()) for name, _, folder in genai]

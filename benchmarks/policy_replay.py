@@ -38,9 +38,9 @@ import numpy as np
 
 from specdeploy.runtime import Session
 from specdeploy.runtime.backends.ort import share_cpu_threads
-from specdeploy.runtime.bench import read_prompts
-from specdeploy.runtime.policy import DraftLength
-from specdeploy.runtime.sampling import SamplingParams
+from specdeploy.runtime.tools.bench import read_prompts
+from specdeploy.runtime.decoding.policy import DraftLength
+from specdeploy.runtime.decoding.sampling import SamplingParams
 
 HERE = Path(__file__).parent
 

@@ -20,8 +20,8 @@ import numpy as np
 
 from specdeploy.runtime import Session
 from specdeploy.runtime.backends.ort import share_cpu_threads
-from specdeploy.runtime.bench import read_prompts
-from specdeploy.runtime.loop import prefill
+from specdeploy.runtime.tools.bench import read_prompts
+from specdeploy.runtime.decoding.loop import prefill
 
 HERE = Path(__file__).parent
 

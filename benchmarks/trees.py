@@ -24,8 +24,8 @@ import statistics
 from pathlib import Path
 
 from specdeploy.runtime import Session
-from specdeploy.runtime.bench import read_prompts
-from specdeploy.runtime.drafters import NgramDrafter
+from specdeploy.runtime.tools.bench import read_prompts
+from specdeploy.runtime.decoding.drafters import NgramDrafter
 
 HERE = Path(__file__).parent
 CONFIGS = {  # name -> (drafter, stream keyword arguments)

@@ -30,8 +30,8 @@ sys.path.insert(0, str(HERE.parent / "tests"))
 
 import tritonserver  # noqa: E402
 from specdeploy.runtime import Session  # noqa: E402
-from specdeploy.runtime import triton  # noqa: E402
-from specdeploy.runtime.bench import read_prompts  # noqa: E402
+from specdeploy.runtime.serving import triton  # noqa: E402
+from specdeploy.runtime.tools.bench import read_prompts  # noqa: E402
 
 
 def rss_mib(pid: int) -> float:

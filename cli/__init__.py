@@ -153,7 +153,7 @@ def _parse_ids(text: str) -> list[int]:
 def generate(bundle, prompt, prompt_ids, chat, max_new_tokens, draft_len, tree_nodes, no_speculate, temperature, top_k,
              top_p, seed, stop, as_json, threads, backend, device, trt_ep):
     """Generate from BUNDLE, streaming the text."""
-    from specdeploy.runtime.session import Session
+    from specdeploy.runtime.decoding.session import Session
 
     if (prompt is None) == (prompt_ids is None):
         raise InputError("give exactly one of --prompt or --prompt-ids")
@@ -187,7 +187,7 @@ def generate(bundle, prompt, prompt_ids, chat, max_new_tokens, draft_len, tree_n
 def inspect(bundle, no_verify):
     """Print BUNDLE's manifest in human terms."""
     from specdeploy.core.manifest import load_bundle
-    from specdeploy.runtime.report import describe
+    from specdeploy.runtime.tools.report import describe
 
     click.echo(describe(load_bundle(bundle, verify=not no_verify)))
 
@@ -207,7 +207,7 @@ def inspect(bundle, no_verify):
 def bench(bundle, backend, device, trt_ep, draft_len, prompts, max_new_tokens, repeats, no_chat, threads, json_out,
           plot_out):
     """Latency profile of BUNDLE: plain vs each draft length, measured and predicted speedup."""
-    from specdeploy.runtime.bench import bench as run_bench, format_report, plot, read_prompts, write_json
+    from specdeploy.runtime.tools.bench import bench as run_bench, format_report, plot, read_prompts, write_json
 
     if prompts is not None and not prompts.is_file():
         raise InputError(f"--prompts {prompts}: no such file")
@@ -268,7 +268,7 @@ def build(bundle, workspace_gb, timing_cache, roles):
 def serve(bundle, host, port, workers, max_queue, threads, model_name, max_body_bytes, max_prompt_chars, queue_timeout,
           graceful_seconds, device, trt_ep):
     """Serve BUNDLE over OpenAI-compatible HTTP (completions, chat, SSE streaming, /metrics)."""
-    from specdeploy.runtime.server import serve as run_server
+    from specdeploy.runtime.serving.server import serve as run_server
 
     if workers < 1 or max_queue < 0:
         raise InputError("--workers must be >= 1 and --max-queue >= 0")
@@ -301,7 +301,7 @@ def serve(bundle, host, port, workers, max_queue, threads, model_name, max_body_
 def triton_repo(bundle, out, name, instances, max_queue, backend, threads, reference, check_dir):
     """Write a Triton Inference Server model repository that serves BUNDLE (streaming, over
     gRPC or HTTP): OUT/NAME/config.pbtxt, OUT/NAME/1/model.py and OUT/NAME/1/bundle/."""
-    from specdeploy.runtime import triton
+    from specdeploy.runtime.serving import triton
 
     if check_dir is not None:
         if bundle is not None:
@@ -350,9 +350,9 @@ def eval_cmd(bundle, prompts_file, max_new_tokens, draft_len, samples, alpha, ne
       3  the contract is broken: a wrong accept, or the distribution test failed
       4  not tested: no draft token was proposed where a check needed one (nothing certified)
     """
-    from specdeploy.runtime.bench.inputs import read_prompts
-    from specdeploy.runtime.evaluate import evaluate
-    from specdeploy.runtime.session import Session
+    from specdeploy.runtime.tools.bench.inputs import read_prompts
+    from specdeploy.runtime.tools.evaluate import evaluate
+    from specdeploy.runtime.decoding.session import Session
 
     if not prompts_file.is_file():
         raise InputError(f"--prompts {prompts_file}: no such file")

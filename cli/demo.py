@@ -8,8 +8,8 @@ import click
 
 from specdeploy.core.manifest import FORMAT_VERSION, load_bundle
 from specdeploy.core.errors import BundleError
-from specdeploy.runtime.report import summary
-from specdeploy.runtime.session import Session
+from specdeploy.runtime.tools.report import summary
+from specdeploy.runtime.decoding.session import Session
 
 
 DISTILLED = "distilled"

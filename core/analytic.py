@@ -1,4 +1,4 @@
-"""The analytic model of speculative decoding (Leviathan et al. 2023; DESIGN.md section 4).
+"""The analytic model of speculative decoding (Leviathan et al. 2023; docs/design.md, "The cost model").
 
 With per-token acceptance a, draft length g and cost ratio c (a draft step over a target
 pass), a round commits (1 - a^(g+1)) / (1 - a) tokens per target pass and costs g*c + 1

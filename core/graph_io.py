@@ -1,4 +1,4 @@
-"""The graph contract (DESIGN.md section 3): tensor names, the attention mask, the window.
+"""The graph contract (docs/design.md, "The graph contract"): tensor names, the attention mask, the window.
 
 One graph per model takes `input_ids [1, T]`, `position_ids [1, T]`, `write_indices [1]`
 (data, never a shape), `attention_mask [1, 1, T, L]`, per layer `past_key_i`,

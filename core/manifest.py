@@ -1,4 +1,4 @@
-"""The bundle contract (DESIGN.md section 2) as typed records: export writes them, the
+"""The bundle contract (docs/design.md, "The bundle contract") as typed records: export writes them, the
 runtime reads them back, and neither side spells a manifest key anywhere else.
 
 A bundle is a folder with `manifest.json`, one ONNX graph per model (and TensorRT plans

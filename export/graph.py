@@ -1,4 +1,4 @@
-"""The graph contract as a PyTorch module (DESIGN.md section 3).
+"""The graph contract as a PyTorch module (docs/design.md, "The graph contract").
 
 One forward serves every pass: T = 1 for a draft step, k+1 for a verify pass, a chunk
 for prefill.

@@ -9,9 +9,9 @@ Imports numpy, onnxruntime and tokenizers only; never torch or transformers.
 """
 from specdeploy.core.manifest import Bundle, load_bundle
 from specdeploy.core.errors import BundleError, ExportError, InputError, SpecdeployError
-from .stats import Stats
-from .pool import Overloaded, SessionPool
-from .session import Generation, Piece, Result, Session
+from specdeploy.runtime.decoding.stats import Stats
+from specdeploy.runtime.serving.pool import Overloaded, SessionPool
+from specdeploy.runtime.decoding.session import Generation, Piece, Result, Session
 from .backends.ort import share_cpu_threads
 
 __all__ = [

@@ -12,7 +12,7 @@ import time
 import httpx
 import uvicorn
 
-from specdeploy.runtime.server import create_app
+from specdeploy.runtime.serving.server import create_app
 
 
 def free_port() -> int:

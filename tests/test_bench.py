@@ -8,7 +8,7 @@ import pytest
 
 from specdeploy.core.analytic import acceptance_estimate, predicted_speedup, tokens_per_pass
 from specdeploy.core.errors import InputError
-from specdeploy.runtime.bench import (
+from specdeploy.runtime.tools.bench import (
     bench,
     device_timers,
     format_report,

@@ -9,7 +9,7 @@ from click.testing import CliRunner
 from safetensors.numpy import load_file
 
 from specdeploy.cli import main
-from specdeploy.runtime.session import Session
+from specdeploy.runtime.decoding.session import Session
 
 from conftest import MAX_SEQ, PREFILL_CHUNK
 

@@ -49,8 +49,8 @@ MODULES = modules_with_examples()
 def test_discovery_finds_the_known_examples():
     """The walk reaches every half and nested subpackages (a broken walk would pass vacuously)."""
     assert "specdeploy.core.analytic" in MODULES
-    assert "specdeploy.runtime.sampling" in MODULES
-    assert "specdeploy.runtime.drafters.ngram" in MODULES  # a subpackage's module
+    assert "specdeploy.runtime.decoding.sampling" in MODULES
+    assert "specdeploy.runtime.decoding.drafters.ngram" in MODULES  # a subpackage's module
     assert any(m.startswith("specdeploy.export.") for m in MODULES)
 
 

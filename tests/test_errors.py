@@ -78,7 +78,7 @@ def test_non_finite_check_reads_the_argmaxes_as_the_row_maxima():
     import numpy as np
 
     from specdeploy.core.errors import BundleError
-    from specdeploy.runtime.loop import check_finite
+    from specdeploy.runtime.decoding.loop import check_finite
 
     class Target:
         name = "target"

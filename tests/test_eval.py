@@ -8,8 +8,8 @@ import pytest
 from click.testing import CliRunner
 
 from specdeploy.runtime import Session
-from specdeploy.runtime import loop as loop_module
-from specdeploy.runtime.evaluate import _chi2_sf, evaluate
+from specdeploy.runtime.decoding import loop as loop_module
+from specdeploy.runtime.tools.evaluate import _chi2_sf, evaluate
 from specdeploy.cli import main
 from test_sampling import _broken_skips_residual
 from tiny import PROMPTS
@@ -103,7 +103,7 @@ def test_nothing_proposed_is_not_tested_not_holds(bundles, tmp_path):
 
 def _broken_accepts_with_p(draft_tokens, draft_probs, target_probs, rng):
     """A wrong sampler: accepts a drafted x with probability p(x), not min(1, p(x) / q(x))."""
-    from specdeploy.runtime.sampling import sample
+    from specdeploy.runtime.decoding.sampling import sample
 
     for i in range(draft_tokens.shape[0]):
         x = int(draft_tokens[i])

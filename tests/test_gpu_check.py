@@ -1,7 +1,6 @@
 """benchmarks/gpu_check.py rehearsed on the CPU (--tiny): the GPU proof script (issue 17) must run
 end to end before a device is lent to it, through the import path the device uses (the checkout's
 folders mapped onto `specdeploy.*`, no install). About 25 s."""
-import importlib.util
 import json
 import os
 import subprocess
@@ -12,7 +11,7 @@ import numpy as np
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-SCRIPT = ROOT / "benchmarks" / "gpu_check.py"
+SCRIPT = ROOT / "proofs" / "gpu_check.py"
 
 
 def test_tiny_runs_end_to_end(tmp_path):
@@ -41,10 +40,7 @@ def test_tiny_runs_end_to_end(tmp_path):
 
 def test_minimal_builder_fits_specgraph():
     """The builder for a device without transformers gives SpecGraph the attributes it borrows."""
-    spec = importlib.util.spec_from_file_location("gpu_check_module", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
+    from proofs import gpu_check as module
     plan = module.Plan(module.TINY_CONFIGS, module.TINY_PAIRS, module.TINY_CORRECTNESS_PAIR)
     graph = module.build_graph("tiny-distilled", plan, "cpu", torch.float32, seed=1, builder="minimal")
     logits = module.engine(graph, "draft", torch.float32, "cpu", True).forward(np.arange(5), 0)

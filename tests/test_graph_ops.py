@@ -1,6 +1,5 @@
 """benchmarks/ortgenai.py --graph-ops: a graph's nodes by op as ONNX Runtime runs it (its
 optimizer's output), on a bundle the tests build; no onnxruntime-genai needed."""
-import importlib.util
 import subprocess
 import sys
 from pathlib import Path
@@ -8,10 +7,7 @@ from pathlib import Path
 import onnx
 
 ROOT = Path(__file__).parents[1]
-spec = importlib.util.spec_from_file_location("ortgenai", ROOT / "benchmarks" / "ortgenai.py")
-ortgenai = importlib.util.module_from_spec(spec)
-sys.modules[spec.name] = ortgenai
-spec.loader.exec_module(ortgenai)
+from benchmarks import ortgenai
 
 
 def test_optimized_ops_counts_the_nodes_onnx_runtime_runs(bundles):
@@ -25,9 +21,9 @@ def test_optimized_ops_counts_the_nodes_onnx_runtime_runs(bundles):
 
 def test_graph_ops_command_prints_a_line_per_graph_and_names_a_missing_one(bundles, tmp_path):
     bundle = bundles("llama-ngram")
-    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "ortgenai.py"), str(bundle), "--graph-ops"],
-                         capture_output=True, text=True, check=True).stdout
+    out = subprocess.run([sys.executable, "-m", "benchmarks.ortgenai", str(bundle), "--graph-ops"],
+                         capture_output=True, text=True, check=True, cwd=ROOT).stdout
     assert out.startswith(f"{bundle.name}: ") and " nodes " in out and out.count("\n") == 1
-    bad = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "ortgenai.py"), str(bundle), "--graph-ops",
-                          "--genai", f"g={tmp_path}"], capture_output=True, text=True)
+    bad = subprocess.run([sys.executable, "-m", "benchmarks.ortgenai", str(bundle), "--graph-ops",
+                          "--genai", f"g={tmp_path}"], capture_output=True, text=True, cwd=ROOT)
     assert bad.returncode == 1 and f"g: no graph at {tmp_path / 'model.onnx'}" in bad.stderr

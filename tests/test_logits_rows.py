@@ -14,7 +14,7 @@ from specdeploy.core.manifest import load_bundle, sha256_file
 from specdeploy.export.trt_build import every_row
 from specdeploy.runtime import Session
 from specdeploy.runtime.backends.ort import OrtEngine
-from specdeploy.runtime.report import describe
+from specdeploy.runtime.tools.report import describe
 
 
 def _engine(bundle_dir, role="target"):

@@ -1,17 +1,13 @@
 """benchmarks/lookup_bound.py: the oracle that bounds model-free drafting, on sequences whose
 answer is known (no models)."""
 import doctest
-import importlib.util
 import sys
 from pathlib import Path
 
 import numpy as np
 
 ROOT = Path(__file__).parents[1]
-spec = importlib.util.spec_from_file_location("lookup_bound", ROOT / "benchmarks" / "lookup_bound.py")
-bound = importlib.util.module_from_spec(spec)
-sys.modules[spec.name] = bound
-spec.loader.exec_module(bound)
+from benchmarks import lookup_bound as bound
 
 
 def test_docstring_examples():
@@ -55,8 +51,8 @@ def test_the_suffix_drafter_never_beats_the_bound_of_its_context():
     at or under the oracle's at c = 2 (their shortest context), and reach it on 9 of the 20
     texts: the bound is tight where the index keeps every occurrence. (The bound without a
     context, c = 0, is reached on none: a loose bound fails the second assertion.)"""
-    from specdeploy.runtime.drafters import SuffixDrafter
-    from specdeploy.runtime.tree import accept_tree
+    from specdeploy.runtime.decoding.drafters import SuffixDrafter
+    from specdeploy.runtime.decoding.tree import accept_tree
 
     rng = np.random.default_rng(1)
     reached = 0

@@ -19,7 +19,7 @@ from specdeploy.runtime import Session, SessionPool
 from specdeploy.runtime.backends import BackendChoice, Device, DeviceError, devices
 from specdeploy.runtime.backends import ort as ort_backend
 from specdeploy.runtime.backends.ort import CPU, CUDA, TENSORRT, OrtEngine, Placement, check_placement
-from specdeploy.runtime.drafters import ModelDrafter
+from specdeploy.runtime.decoding.drafters import ModelDrafter
 
 from tiny import PROMPTS
 
@@ -189,8 +189,8 @@ def test_generate_on_cuda_here_prints_one_line_naming_what_is_missing(bundles):
 
 
 def test_server_and_bench_pass_the_device_on(bundles):
-    from specdeploy.runtime.bench import bench
-    from specdeploy.runtime.server import serve
+    from specdeploy.runtime.tools.bench import bench
+    from specdeploy.runtime.serving.server import serve
 
     with pytest.raises(DeviceError, match="needs onnxruntime-gpu"):
         serve(str(bundles(BUNDLE)), device="cuda")  # refused before uvicorn starts
@@ -285,10 +285,10 @@ def test_kv_buffers_are_ort_values_the_host_can_view_on_the_cpu(bundles):
 
 def test_check_script_rehearses_end_to_end_on_the_cpu(bundles, tmp_path):
     out = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "ort_gpu_check.py"), str(bundles(BUNDLE)), "--device", "cpu",
+        [sys.executable, "-m", "proofs.ort_gpu_check", str(bundles(BUNDLE)), "--device", "cpu",
          "--limit", "2", "--lens", "1,4", "--max-new-tokens", "16", "--repeats", "3", "--context", "64",
          "--json", str(tmp_path / "report.json")],
-        capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"}, timeout=300,
+        capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"}, timeout=300, cwd=ROOT,
     )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     report = json.loads((tmp_path / "report.json").read_text())

@@ -5,7 +5,7 @@ shown to fail a policy pinned where it does not pay."""
 import numpy as np
 import pytest
 
-from specdeploy.runtime.policy import DraftLength, PassCost, Probes, TreeSize
+from specdeploy.runtime.decoding.policy import DraftLength, PassCost, Probes, TreeSize
 
 
 class World:
@@ -215,7 +215,7 @@ def _chain_rounds(policy, rounds, holds, found=8, slope=0.002):
 
 
 def test_probes_back_off_while_they_fail_and_return_when_one_holds():
-    from specdeploy.runtime.policy import Probes
+    from specdeploy.runtime.decoding.policy import Probes
 
     probes = Probes()
     at = []
@@ -242,7 +242,7 @@ def test_lookup_chains_are_cut_where_they_stop_holding():
 def test_the_ngram_index_finds_what_a_scan_of_the_text_finds():
     """The n-gram drafter indexes the text as it grows; the scan (`lookup`) is its reference,
     over growing texts of a small alphabet (many repeats) and texts that replace each other."""
-    from specdeploy.runtime.drafters.ngram import NgramDrafter, lookup
+    from specdeploy.runtime.decoding.drafters.ngram import NgramDrafter, lookup
 
     rng = np.random.default_rng(0)
     for max_n, min_n in ((3, 1), (4, 2)):

@@ -1,6 +1,5 @@
 """benchmarks/policy_replay.py: its round accounting, and the runtime's `auto` replayed on the
 traces and costs recorded from SmolLM2 runs (docs/policy_replay_*.json, no models needed)."""
-import importlib.util
 import json
 import statistics
 import sys
@@ -9,14 +8,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from specdeploy.runtime.policy import DraftLength
+from specdeploy.runtime.decoding.policy import DraftLength
 
 ROOT = Path(__file__).parents[1]
-spec = importlib.util.spec_from_file_location("policy_replay", ROOT / "benchmarks" / "policy_replay.py")
-replay_mod = importlib.util.module_from_spec(spec)
-sys.modules[spec.name] = replay_mod  # its dataclass looks itself up there
-spec.loader.exec_module(replay_mod)
-RECORDED = sorted((ROOT / "docs").glob("policy_replay_*.json"))
+from benchmarks import policy_replay as replay_mod
+RECORDED = sorted((ROOT / "tests" / "fixtures").glob("policy_replay_*.json"))
 
 
 def flat_costs(max_k=8, plain=0.02, first=0.01, step=0.008, verify=0.025):
@@ -62,7 +58,7 @@ def test_auto_replayed_on_recorded_runs_comes_within_five_percent_of_the_best_k(
 def test_the_bound_catches_a_policy_that_drafts_where_no_k_pays():
     """Companion: on the 2-layer self-draft's trace (no k pays), drafting 2 tokens a round
     falls far below plain steps, which the bound above would catch."""
-    saved = json.loads((ROOT / "docs" / "policy_replay_int4_self2.json").read_text())
+    saved = json.loads((ROOT / "tests" / "fixtures" / "policy_replay_int4_self2.json").read_text())
     cost = replay_mod.Costs.from_json(saved["costs"])
     pinned = statistics.median(replay_mod.replay(np.array(h), cost, 2, 0.0, None)[0] for h in saved["held"])
     assert pinned < 0.95

@@ -6,9 +6,9 @@ import pytest
 from scipy import stats as scipy_stats
 
 from specdeploy.runtime import InputError, Session
-from specdeploy.runtime import loop as loop_module
-from specdeploy.runtime.sampling import SamplingParams, verify_greedy, verify_sampled, warp
-from specdeploy.runtime.stops import StopMatcher
+from specdeploy.runtime.decoding import loop as loop_module
+from specdeploy.runtime.decoding.sampling import SamplingParams, verify_greedy, verify_sampled, warp
+from specdeploy.runtime.decoding.stops import StopMatcher
 from tiny import PROMPTS
 
 INF = np.inf
@@ -189,7 +189,7 @@ def test_speculative_sampling_has_the_target_distribution(small_vocab, kind, set
 
 def _broken_skips_residual(draft_tokens, draft_probs, target_probs, rng):
     """A wrong sampler: on rejection it samples from p instead of norm(max(0, p - q))."""
-    from specdeploy.runtime.sampling import sample
+    from specdeploy.runtime.decoding.sampling import sample
 
     for i in range(draft_tokens.shape[0]):
         x = int(draft_tokens[i])
@@ -262,7 +262,7 @@ def test_auto_draft_length_never_changes_greedy_output(bundles):
 def test_auto_starts_from_the_sessions_last_greedy_generation(bundles):
     import copy
 
-    from specdeploy.runtime.policy import DraftLength
+    from specdeploy.runtime.decoding.policy import DraftLength
 
     session = Session(bundles("llama-self"))
     first = session.generate(PROMPTS[1], max_new_tokens=30, draft_len="auto")

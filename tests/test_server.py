@@ -9,7 +9,7 @@ import httpx
 import pytest
 
 from specdeploy.runtime import Session
-from specdeploy.runtime.pool import Overloaded, SessionPool
+from specdeploy.runtime.serving.pool import Overloaded, SessionPool
 from loopback import Server, sse_text
 from tiny import PROMPTS
 

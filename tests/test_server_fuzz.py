@@ -14,7 +14,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from specdeploy.runtime.pool import SessionPool
+from specdeploy.runtime.serving.pool import SessionPool
 from loopback import Server
 from tiny import PROMPTS, SPECIALS
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from specdeploy.runtime.pool import SessionPool
+from specdeploy.runtime.serving.pool import SessionPool
 from loopback import Server, free_port, slow_down, sse_events, sse_text
 from tiny import PROMPTS
 
@@ -90,7 +90,7 @@ SERVE = textwrap.dedent("""
     import sys, time
     sys.path.insert(0, {tests!r})
     from loopback import slow_down
-    from specdeploy.runtime import server
+    from specdeploy.runtime.serving import server
 
     class SlowPool(server.SessionPool):
         def __init__(self, *args, **kwargs):
@@ -372,7 +372,7 @@ def test_serve_passes_its_limits_and_grace_period_to_the_server(monkeypatch, tmp
     from click.testing import CliRunner
 
     from specdeploy.cli import main
-    from specdeploy.runtime import server as server_module
+    from specdeploy.runtime.serving import server as server_module
 
     seen = {}
     monkeypatch.setattr(server_module, "serve", lambda *a, **k: seen.update(args=a, kwargs=k))

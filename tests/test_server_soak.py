@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from specdeploy.runtime import Session
-from specdeploy.runtime.pool import SessionPool
+from specdeploy.runtime.serving.pool import SessionPool
 from loopback import Server, slow_down, sse_events
 from tiny import PROMPTS
 

@@ -3,7 +3,7 @@ import numpy as np
 from transformers import AutoTokenizer
 
 from specdeploy.runtime import Session, load_bundle
-from specdeploy.runtime.tokenizer import TextStream, Tokenizer
+from specdeploy.runtime.decoding.tokenizer import TextStream, Tokenizer
 
 
 def _tokenizer(bundles):

@@ -5,8 +5,8 @@ import threading
 import numpy as np
 import pytest
 
-from specdeploy.runtime.drafters.suffix import MAX_OCCURRENCES, SuffixDrafter, SuffixIndex, continuation_tree
-from specdeploy.runtime.sampling import SamplingParams
+from specdeploy.runtime.decoding.drafters.suffix import MAX_OCCURRENCES, SuffixDrafter, SuffixIndex, continuation_tree
+from specdeploy.runtime.decoding.sampling import SamplingParams
 
 GREEDY = SamplingParams()
 

@@ -9,8 +9,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from specdeploy.runtime import InputError, Session
-from specdeploy.runtime import loop as loop_module
-from specdeploy.runtime.tree import DraftTree
+from specdeploy.runtime.decoding import loop as loop_module
+from specdeploy.runtime.decoding.tree import DraftTree
 from test_lossless import NEW_TOKENS, hf_greedy
 from test_sampling import ALPHA, SAMPLES, SETTINGS, VOCAB, chi_square_pvalue, exact_first_two
 from tiny import PROMPTS
@@ -319,7 +319,7 @@ def test_suffix_bundle_is_lossless_and_learns_from_earlier_requests(bundles, lla
 
 
 def test_pool_workers_share_one_suffix_index(bundles):
-    from specdeploy.runtime.pool import SessionPool
+    from specdeploy.runtime.serving.pool import SessionPool
 
     pool = SessionPool(bundles("llama-suffix"), workers=2)
     drafters = [s.drafter for s in pool.sessions]
@@ -333,7 +333,7 @@ def test_server_takes_tree_settings_and_reports_trees(bundles):
     import httpx
 
     from loopback import Server
-    from specdeploy.runtime.pool import SessionPool
+    from specdeploy.runtime.serving.pool import SessionPool
 
     with Server(SessionPool(bundles("llama-suffix"), workers=1)) as s:
         for body in ({"prompt": PROMPTS[0], "max_tokens": 16, "temperature": 0, "tree_nodes": 4, "private": True},
@@ -374,7 +374,7 @@ def test_torch_backend_runs_tree_rounds_on_its_device(bundles):
 def _tree_rounds(sizes, rounds, holds, probs, slope_seconds):
     """Feed the policy `rounds` tree rounds of a 16-node candidate scored `probs`, where the
     node of rank r is accepted when `holds(r)` and a pass of N nodes takes 1 + slope_seconds * N."""
-    from specdeploy.runtime.policy import TreeSize
+    from specdeploy.runtime.decoding.policy import TreeSize
 
     chosen = []
     rank = TreeSize.ranks(probs, probs.shape[0])
@@ -388,7 +388,7 @@ def _tree_rounds(sizes, rounds, holds, probs, slope_seconds):
 
 
 def test_tree_size_follows_measured_acceptance_per_rank_and_the_pass_cost():
-    from specdeploy.runtime.policy import TreeSize
+    from specdeploy.runtime.decoding.policy import TreeSize
 
     probs = np.linspace(0.9, 0.3, 16)  # a drafter sure of far too much
     # only the two best-ranked nodes ever hold: the tree shrinks to them, whatever the scores say,

@@ -15,7 +15,7 @@ import tritonserver
 from tritonserver import DTYPES, NUMPY, Answer, generate, one
 from specdeploy.cli import main
 from specdeploy.runtime import Session
-from specdeploy.runtime import triton
+from specdeploy.runtime.serving import triton
 
 pb2 = pytest.importorskip("tritonclient.grpc.model_config_pb2",
                           reason="tritonclient is not installed (pip install 'specdeploy[triton]')")

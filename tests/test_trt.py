@@ -375,12 +375,12 @@ def test_speculative_decoding_on_the_trt_backend_is_the_same_loop_and_lossless(b
 def _decoder(bundle_dir, modules):
     """(bundle, tokenizer, TRT target, ModelDrafter over the TRT draft, ORT target, run) where
     run(target, drafter, ids, k, params) -> (tokens, Stats); k an int or "auto"."""
-    from specdeploy.runtime.drafters import ModelDrafter
-    from specdeploy.runtime.loop import decode
-    from specdeploy.runtime.policy import DraftLength
-    from specdeploy.runtime.stats import Stats
-    from specdeploy.runtime.sampling import SamplingParams
-    from specdeploy.runtime.tokenizer import Tokenizer
+    from specdeploy.runtime.decoding.drafters import ModelDrafter
+    from specdeploy.runtime.decoding.loop import decode
+    from specdeploy.runtime.decoding.policy import DraftLength
+    from specdeploy.runtime.decoding.stats import Stats
+    from specdeploy.runtime.decoding.sampling import SamplingParams
+    from specdeploy.runtime.decoding.tokenizer import Tokenizer
 
     bundle = load_bundle(bundle_dir)
     tok = Tokenizer(bundle.file(bundle.tokenizer.file), bundle.tokenizer)
@@ -420,7 +420,7 @@ def test_a_fused_round_gives_the_per_pass_tokens_with_one_sync_and_only_tokens_d
     run one by one: the same k draft tokens and k+1 target argmaxes; one synchronisation per
     round (plus one per leading chunk of a pending text longer than every profile); the draft
     never synchronises; only 2k+1 token ids come down, never logits."""
-    from specdeploy.runtime.sampling import accept_greedy
+    from specdeploy.runtime.decoding.sampling import accept_greedy
 
     bundle_dir, modules = built
     cudart = modules[1]
@@ -530,7 +530,7 @@ def test_sampled_rounds_on_trt_run_pass_by_pass_and_stay_lossless(built):
     """Under sampling a round is not fused: the draft's passes come back to the host, which
     samples. With top-k 1 every distribution is a point mass on the argmax, so the output must
     be greedy's exactly; a seed replays; every pass synchronises once."""
-    from specdeploy.runtime.sampling import SamplingParams
+    from specdeploy.runtime.decoding.sampling import SamplingParams
     from tiny import PROMPTS
 
     bundle_dir, modules = built

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from importlib import import_module
 
 from specdeploy.core.errors import InputError
-from specdeploy.runtime.engine import Engine
+from specdeploy.runtime.decoding.engine import Engine
 
 from . import devices
 from .devices import Device, DeviceError

@@ -33,7 +33,7 @@ import onnxruntime as ort
 from specdeploy.core.errors import BundleError, InputError
 from specdeploy.core.graph_io import LOGITS_ROWS, check_pass, fill_mask, fill_tree_mask, io_names, window_length
 from specdeploy.core.manifest import ModelSpec
-from specdeploy.runtime.tree import TreeLayout
+from specdeploy.runtime.decoding.tree import TreeLayout
 
 from . import devices
 from .devices import Device, DeviceError

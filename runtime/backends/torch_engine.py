@@ -43,7 +43,7 @@ from specdeploy.core.errors import InputError
 from specdeploy.core.manifest import ModelSpec
 from specdeploy.core.graph_io import check_pass, window_length
 
-from ..engine import Checked
+from specdeploy.runtime.decoding.engine import Checked
 
 
 @dataclass

@@ -52,8 +52,8 @@ from specdeploy.core.graph_io import check_pass, fill_mask, window_length
 from specdeploy.core.manifest import ModelSpec
 from specdeploy.core.trt_profiles import ARGMAX, Profile, select_profile
 
-from ..engine import Checked
-from ..sampling import sample, warp
+from specdeploy.runtime.decoding.engine import Checked
+from specdeploy.runtime.decoding.sampling import sample, warp
 from .cuda import Cuda, CudaError, import_modules
 from .trt_layout import STAGED_INPUTS, CaptureError, EnqueueError, ShapeKey, StepGraphs, engine_layout, step_slot
 from .trt_plan import LoadedEngine, check_engine_compat, load_engine

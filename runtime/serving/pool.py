@@ -16,7 +16,7 @@ import weakref
 from pathlib import Path
 
 from specdeploy.core.errors import SpecdeployError
-from .session import Generation, Result, Session
+from specdeploy.runtime.decoding.session import Generation, Result, Session
 
 POLL_SECONDS = 0.05  # how often a waiting request looks at its cancel event
 

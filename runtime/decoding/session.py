@@ -11,14 +11,14 @@ import numpy as np
 from specdeploy.core.errors import InputError
 from specdeploy.core.manifest import Bundle, load_bundle
 
-from .backends import BackendChoice, Device, make_engine
-from .drafters import make_drafter
-from .loop import PromptCache, decode
-from .policy import DraftLength, TreeSize
-from .stats import Stats
-from .sampling import SamplingParams
-from .stops import StopMatcher
-from .tokenizer import TextStream, Tokenizer, check_text
+from specdeploy.runtime.backends import BackendChoice, Device, make_engine
+from specdeploy.runtime.decoding.drafters import make_drafter
+from specdeploy.runtime.decoding.loop import PromptCache, decode
+from specdeploy.runtime.decoding.policy import DraftLength, TreeSize
+from specdeploy.runtime.decoding.stats import Stats
+from specdeploy.runtime.decoding.sampling import SamplingParams
+from specdeploy.runtime.decoding.stops import StopMatcher
+from specdeploy.runtime.decoding.tokenizer import TextStream, Tokenizer, check_text
 
 
 @dataclass

@@ -119,7 +119,7 @@ class DraftLength:
 
     auto picks the k (0 included: a plain step, when no draft length pays; it then probes
     with k = 1 now and then: Probes) that maximises expected tokens per second under the analytic
-    model (DESIGN.md section 4) with the acceptance measured so far, per draft position:
+    model (docs/design.md, "The cost model") with the acceptance measured so far, per draft position:
 
         tokens(k) = 1 + sum over i <= k of (the chance that positions 1..i all hold)
         time(k) = first + (k - 1) * step + v(k + 1)

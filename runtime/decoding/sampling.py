@@ -1,4 +1,4 @@
-"""Sampling: pure functions on arrays, no model handles (DESIGN.md section 4).
+"""Sampling: pure functions on arrays, no model handles (docs/design.md, "The round").
 
 Roles in names: `target_probs [k+1, V]` from the target's verify pass, `draft_probs [k, V]`
 from the draft (None: a point mass on each drafted token, as for n-gram drafts).

@@ -23,12 +23,12 @@ import numpy as np
 from specdeploy.core.errors import BundleError
 from specdeploy.core.manifest import Bundle, DraftEntry
 
-from ..backends import BackendChoice
-from ..engine import Checked, Engine
-from ..sampling import SamplingParams
-from .model import ModelDrafter, SelfDrafter
-from .ngram import NgramDrafter, lookup
-from .suffix import SuffixDrafter, SuffixIndex
+from specdeploy.runtime.backends import BackendChoice
+from specdeploy.runtime.decoding.engine import Checked, Engine
+from specdeploy.runtime.decoding.sampling import SamplingParams
+from specdeploy.runtime.decoding.drafters.model import ModelDrafter, SelfDrafter
+from specdeploy.runtime.decoding.drafters.ngram import NgramDrafter, lookup
+from specdeploy.runtime.decoding.drafters.suffix import SuffixDrafter, SuffixIndex
 
 
 class Drafter(Protocol):

@@ -3,8 +3,8 @@ beside the measured speedup, and the report as text and JSON.
 
 A configuration's prediction comes from what its runs measured: acceptance a (the
 geometric model's estimate over every round), the mean draft length g the rounds really
-carried, and the cost ratio c of a draft step over a plain decoding step (DESIGN.md
-section 4; the formulas are specdeploy.core.analytic's).
+carried, and the cost ratio c of a draft step over a plain decoding step (docs/design.md,
+"The cost model"; the formulas are specdeploy.core.analytic's).
 """
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ from pathlib import Path
 from specdeploy.core.analytic import acceptance_estimate, predicted_speedup, tokens_per_pass
 from specdeploy.runtime.backends.devices import device_name as gpu_name
 
-from .latency import percentile
-from .runs import Run
+from specdeploy.runtime.tools.bench.latency import percentile
+from specdeploy.runtime.tools.bench.runs import Run
 
 
 def summarise(runs: list[Run]) -> dict:

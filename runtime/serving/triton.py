@@ -31,7 +31,7 @@ import numpy as np
 from specdeploy.core.errors import InputError, SpecdeployError
 from specdeploy.core.manifest import load_bundle
 
-from .tokenizer import check_text
+from specdeploy.runtime.decoding.tokenizer import check_text
 
 BACKENDS = ("ort", "torch", "trt")  # ort runs on the CPU here; torch and trt on the instance's GPU
 GPU_BACKENDS = ("torch", "trt")

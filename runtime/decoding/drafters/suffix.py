@@ -23,10 +23,10 @@ import numpy as np
 
 from specdeploy.core.manifest import Bundle, DraftEntry
 
-from ..backends import BackendChoice
-from .ngram import HostLookup
-from ..sampling import SamplingParams
-from ..tree import DraftTree
+from specdeploy.runtime.backends import BackendChoice
+from specdeploy.runtime.decoding.drafters.ngram import HostLookup
+from specdeploy.runtime.decoding.sampling import SamplingParams
+from specdeploy.runtime.decoding.tree import DraftTree
 
 _KEY = np.dtype("<i4")  # token ids fit in int32; half the bytes of int64 per key
 _DOC_SHIFT = 32  # an occurrence in the shared index is one int: document << 32 | end

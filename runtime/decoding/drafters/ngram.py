@@ -7,9 +7,9 @@ import numpy as np
 
 from specdeploy.core.manifest import Bundle, DraftEntry
 
-from ..backends import BackendChoice
-from ..engine import Checked, Engine
-from ..sampling import SamplingParams
+from specdeploy.runtime.backends import BackendChoice
+from specdeploy.runtime.decoding.engine import Checked, Engine
+from specdeploy.runtime.decoding.sampling import SamplingParams
 
 
 class HostLookup:

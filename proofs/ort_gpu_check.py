@@ -40,7 +40,7 @@ from pathlib import Path
 
 import numpy as np
 
-HERE = Path(__file__).parent
+PROMPTS = Path(__file__).resolve().parents[1] / "benchmarks"
 BOUNDS = {"fp32": 1e-3, "fp16": 5e-2, "int8": 0.25, "int4": 0.25}
 
 
@@ -49,7 +49,7 @@ def main() -> int:
     ap.add_argument("bundle")
     ap.add_argument("--device", default="cuda:0", help="cuda[:N]; cpu rehearses the script on the CPU provider")
     ap.add_argument("--trt-ep", action="store_true", help="the session on ONNX Runtime's TensorRT execution provider")
-    ap.add_argument("--prompts", default=str(HERE / "prompts.txt"))
+    ap.add_argument("--prompts", default=str(PROMPTS / "prompts.txt"))
     ap.add_argument("--limit", type=int, default=4)
     ap.add_argument("--max-new-tokens", type=int, default=48)
     ap.add_argument("--lens", default="1,2,4,8")
@@ -238,7 +238,7 @@ def _parity(got_engine, want_engine, bundle) -> dict:
 
 
 def _prompts(session, args) -> list[np.ndarray]:
-    from specdeploy.runtime.bench import read_prompts
+    from specdeploy.runtime.tools.bench import read_prompts
 
     chat = bool(session.tokenizer.chat_template)
     room = session.bundle.max_seq - args.max_new_tokens

@@ -27,9 +27,9 @@ import math
 
 import numpy as np
 
-from .loop import prefill
-from .sampling import SamplingParams, warp
-from .session import Session
+from specdeploy.runtime.decoding.loop import prefill
+from specdeploy.runtime.decoding.sampling import SamplingParams, warp
+from specdeploy.runtime.decoding.session import Session
 
 VERDICT_TOLERANCE = 1e-6  # |p - q| under which a rejection then x counts as possible
 

@@ -18,8 +18,9 @@ from pathlib import Path
 import triton_python_backend_utils as pb_utils
 
 from specdeploy.core.errors import InputError, SpecdeployError
-from specdeploy.runtime import share_cpu_threads, triton
-from specdeploy.runtime.session import Session
+from specdeploy.runtime import share_cpu_threads
+from specdeploy.runtime.serving import triton
+from specdeploy.runtime.decoding.session import Session
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 

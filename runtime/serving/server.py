@@ -35,9 +35,9 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from specdeploy.core.errors import InputError, SpecdeployError
-from .pool import Cancelled, Overloaded, QueueTimeout, SessionPool
-from .session import MAX_TREE_NODES
-from .tokenizer import check_text
+from specdeploy.runtime.serving.pool import Cancelled, Overloaded, QueueTimeout, SessionPool
+from specdeploy.runtime.decoding.session import MAX_TREE_NODES
+from specdeploy.runtime.decoding.tokenizer import check_text
 
 log = logging.getLogger("specdeploy.server")
 

@@ -3,8 +3,8 @@
 Per draft length the report gives time to first token, inter-token latency (median, p90),
 tokens/s, the time split (prefill / draft / verify / host), acceptance per draft position,
 the measured speedup over plain decoding (the median of the per-cycle ratios) and beside it
-the analytic model's prediction from the measured acceptance and cost ratio (DESIGN.md
-section 4; the model itself is specdeploy.core.analytic).
+the analytic model's prediction from the measured acceptance and cost ratio (docs/design.md,
+"The cost model"; the model itself is specdeploy.core.analytic).
 
 Modules, by job; imports run down this list, never up:
   inputs   prompts (the prompts-file format, shared with `eval`) and draft lengths
@@ -14,12 +14,12 @@ Modules, by job; imports run down this list, never up:
   sweep    `bench`: plain and every draft length, alternating over prompts and repeats
   plot     the report as a figure (matplotlib, imported only when plotting)
 """
-from .inputs import DEFAULT_DRAFT_LENS, DEFAULT_PROMPTS, parse_draft_lens, read_prompts
-from .latency import inter_token_gaps, percentile
-from .plot import plot
-from .report import format_report, write_json
-from .runs import DeviceTimed, Run, device_timers, timed_generation
-from .sweep import bench
+from specdeploy.runtime.tools.bench.inputs import DEFAULT_DRAFT_LENS, DEFAULT_PROMPTS, parse_draft_lens, read_prompts
+from specdeploy.runtime.tools.bench.latency import inter_token_gaps, percentile
+from specdeploy.runtime.tools.bench.plot import plot
+from specdeploy.runtime.tools.bench.report import format_report, write_json
+from specdeploy.runtime.tools.bench.runs import DeviceTimed, Run, device_timers, timed_generation
+from specdeploy.runtime.tools.bench.sweep import bench
 
 __all__ = [
     "DEFAULT_DRAFT_LENS", "DEFAULT_PROMPTS", "DeviceTimed", "Run", "bench", "device_timers", "format_report",

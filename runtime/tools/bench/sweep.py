@@ -12,9 +12,9 @@ import numpy as np
 
 from specdeploy.core.errors import InputError
 
-from .inputs import DEFAULT_DRAFT_LENS, DEFAULT_PROMPTS, parse_draft_lens
-from .report import config_row, device_name, summarise
-from .runs import Run, device_timers, timed_generation
+from specdeploy.runtime.tools.bench.inputs import DEFAULT_DRAFT_LENS, DEFAULT_PROMPTS, parse_draft_lens
+from specdeploy.runtime.tools.bench.report import config_row, device_name, summarise
+from specdeploy.runtime.tools.bench.runs import Run, device_timers, timed_generation
 
 
 def bench(
@@ -33,7 +33,7 @@ def bench(
 ) -> dict:
     """Profile `bundle` on `backend` (on `device`, with `trt_ep`: as for Session); returns the
     report (see `format_report`, `plot`)."""
-    from specdeploy.runtime.session import Session
+    from specdeploy.runtime.decoding.session import Session
 
     session = Session(bundle, threads=threads, backend=backend, prompt_cache=False,  # every run prefills its prompt
                       device=device, trt_ep=trt_ep)

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from specdeploy.core.manifest import FORMAT, Bundle
-from .stats import Stats
+from specdeploy.runtime.decoding.stats import Stats
 
 
 def _mib(n_bytes: int) -> str:
@@ -10,7 +10,7 @@ def _mib(n_bytes: int) -> str:
 
 
 def describe(bundle: Bundle) -> str:
-    from .drafters import drafter_class
+    from specdeploy.runtime.decoding.drafters import drafter_class
 
     m = bundle.manifest
     lines = [

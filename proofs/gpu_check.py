@@ -96,7 +96,7 @@ def _import_specdeploy():
     if os.environ.get("SPECDEPLOY_SHIM") != "1":
         try:
             import specdeploy.runtime.backends.torch_engine  # noqa: F401
-            import specdeploy.runtime.loop  # noqa: F401
+            import specdeploy.runtime.decoding.loop  # noqa: F401
         except ImportError:
             pass
         else:
@@ -125,11 +125,11 @@ from specdeploy.export.graph import SpecGraph  # noqa: E402
 from specdeploy.runtime.backends.torch_engine import TorchEngine  # noqa: E402
 from specdeploy.core.analytic import acceptance_estimate, predicted_speedup, tokens_per_pass  # noqa: E402
 from specdeploy.core.manifest import ModelSpec  # noqa: E402
-from specdeploy.runtime.drafters import ModelDrafter  # noqa: E402
-from specdeploy.runtime.loop import decode  # noqa: E402
-from specdeploy.runtime.policy import DraftLength  # noqa: E402
-from specdeploy.runtime.stats import Stats  # noqa: E402
-from specdeploy.runtime.sampling import SamplingParams  # noqa: E402
+from specdeploy.runtime.decoding.drafters import ModelDrafter  # noqa: E402
+from specdeploy.runtime.decoding.loop import decode  # noqa: E402
+from specdeploy.runtime.decoding.policy import DraftLength  # noqa: E402
+from specdeploy.runtime.decoding.stats import Stats  # noqa: E402
+from specdeploy.runtime.decoding.sampling import SamplingParams  # noqa: E402
 
 # -- models and pairs -----------------------------------------------------------------------------
 _135M = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
@@ -564,7 +564,7 @@ def prompt_cache_check(c: Check, target, drafters, prompt, new_tokens: int, voca
     """A follow-up prompt (the previous prompt, its answer and a new turn) decodes the same
     with the prompt cache (K/V of the shared prefix reused, only the new turn prefilled) as
     from scratch; plain and with each drafter."""
-    from specdeploy.runtime.loop import PromptCache
+    from specdeploy.runtime.decoding.loop import PromptCache
 
     turn = np.random.default_rng(11).integers(0, vocab, size=9)
     results, ok = {}, True

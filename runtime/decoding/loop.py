@@ -14,12 +14,12 @@ import numpy as np
 
 from specdeploy.core.errors import BundleError
 
-from .drafters import Drafter
-from .engine import Checked, Engine
-from .policy import DraftLength, TreeSize
-from .sampling import SamplingParams, accept_greedy, sample, verify_sampled, warp
-from .stats import Stats
-from .tree import DraftTree, accept_tree
+from specdeploy.runtime.decoding.drafters import Drafter
+from specdeploy.runtime.decoding.engine import Checked, Engine
+from specdeploy.runtime.decoding.policy import DraftLength, TreeSize
+from specdeploy.runtime.decoding.sampling import SamplingParams, accept_greedy, sample, verify_sampled, warp
+from specdeploy.runtime.decoding.stats import Stats
+from specdeploy.runtime.decoding.tree import DraftTree, accept_tree
 
 
 def prefill(target: Engine, ids: np.ndarray, chunk: int, start: int = 0) -> None:

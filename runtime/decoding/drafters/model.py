@@ -8,9 +8,9 @@ import numpy as np
 
 from specdeploy.core.manifest import Bundle, DraftEntry, ModelSpec
 
-from ..backends import BackendChoice, make_engine
-from ..engine import Checked, Engine
-from ..sampling import SamplingParams, sample, warp
+from specdeploy.runtime.backends import BackendChoice, make_engine
+from specdeploy.runtime.decoding.engine import Checked, Engine
+from specdeploy.runtime.decoding.sampling import SamplingParams, sample, warp
 
 
 class ModelDrafter:

@@ -12,9 +12,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
-from specdeploy.runtime.engine import Engine
+from specdeploy.runtime.decoding.engine import Engine
 
-from .latency import inter_token_gaps
+from specdeploy.runtime.tools.bench.latency import inter_token_gaps
 
 
 @runtime_checkable

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
-HERE = Path(__file__).parent
+PROMPTS = Path(__file__).resolve().parents[1] / "benchmarks"
 
 
 def main() -> int:
@@ -41,7 +41,7 @@ def main() -> int:
     ap.add_argument("--rebuild", action="store_true")
     ap.add_argument("--context", type=int, default=256, help="write position of the timed passes")
     ap.add_argument("--repeats", type=int, default=50)
-    ap.add_argument("--prompts", default=str(HERE / "prompts.txt"))
+    ap.add_argument("--prompts", default=str(PROMPTS / "prompts.txt"))
     ap.add_argument("--limit", type=int, default=4)
     ap.add_argument("--max-new-tokens", type=int, default=48)
     ap.add_argument("--parity-bound", type=float, help="largest relative logit difference allowed "
@@ -154,10 +154,10 @@ def _parity(bundle, role, args) -> dict:
 
 
 def _decode(target, drafter, ids, k, args, bundle, stats=None):
-    from specdeploy.runtime.loop import decode
-    from specdeploy.runtime.policy import DraftLength
-    from specdeploy.runtime.sampling import SamplingParams
-    from specdeploy.runtime.stats import Stats
+    from specdeploy.runtime.decoding.loop import decode
+    from specdeploy.runtime.decoding.policy import DraftLength
+    from specdeploy.runtime.decoding.sampling import SamplingParams
+    from specdeploy.runtime.decoding.stats import Stats
 
     out = decode(target, drafter, ids, args.max_new_tokens, DraftLength(bundle.max_draft, fixed=k), [],
                  bundle.prefill_chunk, SamplingParams(), Stats() if stats is None else stats)
@@ -165,9 +165,9 @@ def _decode(target, drafter, ids, k, args, bundle, stats=None):
 
 
 def _round_syncs(bundle, args) -> dict:
-    from specdeploy.runtime.drafters import ModelDrafter
-    from specdeploy.runtime.stats import Stats
-    from specdeploy.runtime.tokenizer import Tokenizer
+    from specdeploy.runtime.decoding.drafters import ModelDrafter
+    from specdeploy.runtime.decoding.stats import Stats
+    from specdeploy.runtime.decoding.tokenizer import Tokenizer
 
     tok = Tokenizer(bundle.file(bundle.tokenizer.file), bundle.tokenizer)
     prompt = next(p for p in Path(args.prompts).read_text().splitlines() if p.strip())
@@ -186,8 +186,8 @@ def _round_syncs(bundle, args) -> dict:
 
 
 def _tokens(bundle, args) -> dict:
-    from specdeploy.runtime.drafters import ModelDrafter, drafter_class
-    from specdeploy.runtime.tokenizer import Tokenizer
+    from specdeploy.runtime.decoding.drafters import ModelDrafter, drafter_class
+    from specdeploy.runtime.decoding.tokenizer import Tokenizer
 
     tok = Tokenizer(bundle.file(bundle.tokenizer.file), bundle.tokenizer)
     prompts = [p for p in Path(args.prompts).read_text().splitlines() if p.strip()][: args.limit]
