@@ -20,6 +20,11 @@ from pathlib import Path
 
 from specdeploy.runtime import Session
 
+try:
+    from benchmarks.provenance import provenance
+except ModuleNotFoundError:  # run as a file (python benchmarks/NAME.py): benchmarks/ is on sys.path
+    from provenance import provenance
+
 HERE = Path(__file__).parent
 
 
@@ -53,7 +58,7 @@ def main() -> None:
         for draft_len in draft_lens:
             _run(session, path, prompts, draft_len, args, hf, report)
     if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=2))
+        Path(args.json).write_text(json.dumps({**report, "provenance": provenance()}, indent=2))
 
 
 def _run(session, path, prompts, draft_len, args, hf, report):

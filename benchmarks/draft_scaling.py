@@ -39,6 +39,11 @@ from specdeploy.export.distill import DistillSettings, answer, generate_data
 from specdeploy.export.load import embedded_default, load_source
 from specdeploy.runtime.tools.bench.inputs import read_prompts
 
+try:
+    from benchmarks.provenance import provenance
+except ModuleNotFoundError:  # run as a file (python benchmarks/NAME.py): benchmarks/ is on sys.path
+    from provenance import provenance
+
 HERE = Path(__file__).parent
 VOCAB = 8192
 BATCH = 256
@@ -176,7 +181,7 @@ def main() -> None:
             report[f"tokens_for_{goal}"] = round(need)
             print(f"  agreement {goal}: about {need:,.0f} teacher tokens, if the trend holds")
     if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+        Path(args.json).write_text(json.dumps({**report, "provenance": provenance()}, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -26,6 +26,11 @@ from pathlib import Path
 from specdeploy.runtime import Session
 from specdeploy.runtime.tools.bench.inputs import read_prompts
 
+try:
+    from benchmarks.provenance import provenance
+except ModuleNotFoundError:  # run as a file (python benchmarks/NAME.py): benchmarks/ is on sys.path
+    from provenance import provenance
+
 HERE = Path(__file__).parent
 
 
@@ -155,7 +160,8 @@ def main() -> None:
     if args.json:
         meta = {"gguf": args.gguf, "threads": args.threads, "repeats": args.repeats, "max_new_tokens": args.max_new_tokens,
                 "llama_cpp_python": llama_cpp.__version__, "prompts": len(prompts), "prompt_cache": args.prompt_cache}
-        Path(args.json).write_text(json.dumps({"meta": meta, "summary": summary, "rows": rows}, indent=2) + "\n")
+        Path(args.json).write_text(json.dumps({"meta": meta, "summary": summary, "rows": rows,
+                                                "provenance": provenance()}, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -33,6 +33,11 @@ from pathlib import Path
 
 import numpy as np
 
+try:
+    from benchmarks.provenance import provenance
+except ModuleNotFoundError:  # run as a file (python benchmarks/NAME.py): benchmarks/ is on sys.path
+    from provenance import provenance
+
 HERE = Path(__file__).parent
 CONTEXTS = (2, 1, 0)
 SEPARATOR = -1  # between texts of the shared corpus: no continuation runs from one into the next
@@ -132,7 +137,8 @@ def main() -> None:
                   f"width {summary[key]['width']:.0f})")
     if args.json:
         args.json.write_text(json.dumps({"bundle": args.bundle, "prompts": args.prompts, "depth": args.depth,
-                                         "max_new_tokens": args.max_new_tokens, "summary": summary, "rows": rows},
+                                         "max_new_tokens": args.max_new_tokens, "summary": summary, "rows": rows,
+                                         "provenance": provenance()},
                                         indent=1))
 
 

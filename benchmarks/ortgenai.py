@@ -93,6 +93,11 @@ from pathlib import Path
 
 import numpy as np
 
+try:
+    from benchmarks.provenance import provenance
+except ModuleNotFoundError:  # run as a file (python benchmarks/NAME.py): benchmarks/ is on sys.path
+    from provenance import provenance
+
 HERE = Path(__file__).parent
 
 
@@ -335,7 +340,8 @@ def write_json(path: Path, args, engines: list, prompts: list[str], prompt_ids: 
                 "token_ids": rs[0].token_ids,
             }
         rows.append(row)
-    path.write_text(json.dumps({"meta": meta, "summary": summary, "rows": rows}, indent=2) + "\n")
+    path.write_text(json.dumps({"meta": meta, "summary": summary, "rows": rows, "provenance": provenance()},
+                               indent=2) + "\n")
 
 
 def optimized_ops(graph: Path) -> Counter:

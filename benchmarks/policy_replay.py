@@ -42,6 +42,11 @@ from specdeploy.runtime.tools.bench import read_prompts
 from specdeploy.runtime.decoding.policy import DraftLength
 from specdeploy.runtime.decoding.sampling import SamplingParams
 
+try:
+    from benchmarks.provenance import provenance
+except ModuleNotFoundError:  # run as a file (python benchmarks/NAME.py): benchmarks/ is on sys.path
+    from provenance import provenance
+
 HERE = Path(__file__).parent
 
 
@@ -229,6 +234,7 @@ def main() -> None:
             "costs": cost.to_json(), "cost_ratio": cost_ratio,
             "noise": args.noise, "optimism": args.optimism,
             "summary": {n: {"speedup": s, "tokens_per_pass": t} for n, (s, t) in summary.items()},
+            "provenance": provenance(),
         }, indent=1))
 
 

@@ -23,6 +23,11 @@ import numpy as np
 
 from specdeploy.runtime import Session
 
+try:
+    from benchmarks.provenance import provenance
+except ModuleNotFoundError:  # run as a file (python benchmarks/NAME.py): benchmarks/ is on sys.path
+    from provenance import provenance
+
 HERE = Path(__file__).parent
 HELD_MODULES = ("argparse", "json", "logging", "subprocess", "unittest", "http.server", "csv", "textwrap")
 
@@ -79,7 +84,8 @@ def main() -> None:
         print(f"{path:40s} {dtype:6s} {row['exact_match']:12.0%} {row['mean_common_prefix']:19.1f} {kl:15.5f}")
     if args.json:
         Path(args.json).write_text(json.dumps({"prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
-                                               "held_tokens": int(text_ids.shape[0]), "rows": table}, indent=2) + "\n")
+                                               "held_tokens": int(text_ids.shape[0]), "rows": table,
+                                               "provenance": provenance()}, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -27,6 +27,11 @@ from specdeploy.runtime import Session
 from specdeploy.runtime.tools.bench import read_prompts
 from specdeploy.runtime.decoding.drafters import NgramDrafter
 
+try:
+    from benchmarks.provenance import provenance
+except ModuleNotFoundError:  # run as a file (python benchmarks/NAME.py): benchmarks/ is on sys.path
+    from provenance import provenance
+
 HERE = Path(__file__).parent
 CONFIGS = {  # name -> (drafter, stream keyword arguments)
     "ngram chain": ("ngram", {}),
@@ -88,7 +93,7 @@ def main() -> None:
               f"{med['tokens_per_pass']:8.2f} {med['acceptance']:7.2f} "
               f"{'-' if med['tree_size'] is None else format(med['tree_size'], '.1f'):>6}")
     if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=2))
+        Path(args.json).write_text(json.dumps({**report, "provenance": provenance()}, indent=2))
 
 
 if __name__ == "__main__":

@@ -9,8 +9,13 @@ carried, and the cost ratio c of a draft step over a plain decoding step (docs/d
 from __future__ import annotations
 
 import json
+import os
 import platform
+import shlex
 import statistics
+import subprocess
+import sys
+from datetime import datetime, timezone
 from pathlib import Path
 
 from specdeploy.core.analytic import acceptance_estimate, predicted_speedup, tokens_per_pass
@@ -145,5 +150,61 @@ def _split(row: dict) -> str:
     return "/".join(f"{100 * x:.0f}%" for x in parts).ljust(20)
 
 
+# The checkout this module lies in when installed editable (runtime/tools/bench/report.py -> root).
+_CHECKOUT = Path(__file__).resolve().parents[3]
+
+
+def provenance(checkout: str | Path | None = None) -> dict:
+    """Where a measurement came from, written into every report a benchmark saves: the command
+    line, the UTC date, the commit of `checkout` (this package's own by default; "-dirty" when
+    tracked files differ from it, "unknown" outside a git checkout) and the machine."""
+    return {
+        "command": shlex.join(sys.argv),
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "commit": _commit(Path(checkout) if checkout is not None else _CHECKOUT),
+        "machine": _machine(),
+    }
+
+
+def _commit(checkout: Path) -> str:
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-C", str(checkout), *args], capture_output=True, text=True, check=True,
+                              timeout=10).stdout.strip()
+
+    try:
+        # A folder inside some other repository (site-packages in a checkout's .venv) is no checkout of ours.
+        if Path(git("rev-parse", "--show-toplevel")).resolve() != checkout.resolve():
+            return "unknown"
+        head = git("rev-parse", "HEAD")
+        return head + ("-dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def _machine() -> dict:
+    import numpy
+    import onnxruntime
+
+    return {
+        "platform": platform.platform(),
+        "cpu": _cpu_model(),
+        "logical_cores": os.cpu_count(),
+        "onnxruntime": onnxruntime.__version__,
+        "numpy": numpy.__version__,
+    }
+
+
+def _cpu_model() -> str:
+    """The CPU's model name from /proc/cpuinfo (Linux); the platform's processor string elsewhere."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def write_json(report: dict, path: str | Path) -> None:
-    Path(path).write_text(json.dumps(report, indent=2) + "\n")
+    """The report as JSON, with its provenance (command, date, commit, machine) beside it."""
+    Path(path).write_text(json.dumps({**report, "provenance": provenance()}, indent=2) + "\n")
