@@ -1,12 +1,13 @@
 # Two commands do all the setup on a fresh machine:
 #   make demo   installs everything into .venv, then runs the main job on the embedded default
-#   make test   installs the same, then runs the test suite
+#   make test   installs the same, then runs the test suite (all of it: what CI runs)
+#   make test-fast  the tests that export no bundle: under a minute, for an edit-test loop
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test clean
+.PHONY: demo test test-fast clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -20,6 +21,9 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q
+
+test-fast: $(STAMP)
+	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q -m "not bundle"
 
 clean:
 	rm -rf $(VENV) engines/*/ .pytest_cache

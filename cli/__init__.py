@@ -405,22 +405,26 @@ def eval_cmd(bundle, prompts_file, max_new_tokens, draft_len, samples, alpha, ne
 @click.option("--draft", default="ngram", show_default=True,
               help="As for `export` (self:dtype=int4 with --dtype fp32: the quantized self-draft), or distilled: a "
                    "draft `specdeploy distill` trains on the first run (about 17 minutes here) and keeps in OUT-draft/.")
-@click.option("--prompt", default=DEFAULT_PROMPT, show_default=True)
+@click.option("--prompt", default=DEFAULT_PROMPT, show_default=True, help="The chat prompt.")
+@click.option("--grounded-prompt", default=None,
+              help="A prompt whose answer repeats its input (default: a spelling fix of given text); '' skips it.")
 @click.option("--max-new-tokens", default=128, show_default=True)
 @click.option("--draft-len", default="auto", show_default=True)
 @click.option("--dtype", type=click.Choice(DTYPES), default="int4", show_default=True,
               help="Target weights; int4 imports the GGUF's own 4-bit blocks exactly.")
 @click.option("--repeats", default=3, show_default=True, help="Timed runs of plain and speculative decoding, alternating.")
 @click.option("--rebuild", is_flag=True, help="Export again even if the bundle exists.")
-def demo(out, draft, prompt, max_new_tokens, draft_len, dtype, repeats, rebuild):
+def demo(out, draft, prompt, grounded_prompt, max_new_tokens, draft_len, dtype, repeats, rebuild):
     """The main job on the embedded default: export SmolLM2-135M-Instruct (once), answer a
-    chat prompt with speculative decoding, then time it against plain decoding."""
-    from specdeploy.cli.demo import run_demo
+    chat prompt and an input-grounded prompt with speculative decoding, then time each against
+    plain decoding."""
+    from specdeploy.cli.demo import GROUNDED_PROMPT, run_demo
 
     if repeats < 1:
         raise InputError(f"--repeats {repeats}: expected at least 1")
     _share_threads(None)
-    run_demo(out, draft, prompt, max_new_tokens, draft_len, rebuild, dtype, repeats)
+    run_demo(out, draft, prompt, max_new_tokens, draft_len, rebuild, dtype, repeats,
+             GROUNDED_PROMPT if grounded_prompt is None else grounded_prompt)
 
 
 if __name__ == "__main__":

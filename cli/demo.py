@@ -1,4 +1,6 @@
-"""The main job: the embedded default model, exported once, answering a chat prompt."""
+"""The main job: the embedded default model, exported once, answering a chat prompt and an
+input-grounded one (an edit of given text, where an answer repeats its input and speculation
+pays), each timed against plain decoding on the same bundle."""
 from __future__ import annotations
 
 import sys
@@ -57,17 +59,30 @@ def _export(out: Path, draft: str, dtype: str) -> None:
     build_bundle(embedded_default(), draft, out, dtype=dtype, log=log, draft_dtype=draft_dtype)
 
 
+# An answer that copies most of its prompt: what a prompt-lookup draft is for.
+GROUNDED_PROMPT = ("Fix the spelling mistakes in this text and return the whole corrected text: The comittee met on "
+                   "Tuesday to discus the new budjet. After a long debate, they agreed to increse funding for public "
+                   "libraries and to reduse spending on ofice supplies.")
+
+
 def run_demo(
     out: Path, draft: str, prompt: str, max_new_tokens: int, draft_len: int | str, rebuild: bool, dtype: str = "int4",
-    repeats: int = 3,
+    repeats: int = 3, grounded_prompt: str = GROUNDED_PROMPT,
 ) -> None:
-    """Stream one speculative answer, then time plain and speculative decoding of the same
-    prompt `repeats` times each, alternating (the streamed run warmed both up), and print the
-    medians and whether every speculative output equals the plain one, token for token."""
+    """For each prompt (the chat one, then the grounded one unless it is empty): stream one
+    speculative answer, then time plain and speculative decoding of it `repeats` times each,
+    alternating (the streamed run warmed both up), and print the medians, the speedup where
+    the pairs show one, and whether every speculative output equals the plain one."""
     if rebuild or not _bundle_ready(out, draft, dtype):
         _export(out, draft, dtype)
     session = Session(out, prompt_cache=False)  # every run prefills its prompt: a fair comparison
-    click.echo(f"\n> {prompt}\n")
+    for title, text in (("chat", prompt), ("grounded", grounded_prompt)):
+        if text:
+            click.echo(f"\n[{title}] > {text}\n")
+            click.echo(_race(session, text, max_new_tokens, draft_len, repeats))
+
+
+def _race(session: Session, prompt: str, max_new_tokens: int, draft_len: int | str, repeats: int) -> str:
     gen = session.stream(prompt, chat=True, max_new_tokens=max_new_tokens, draft_len=draft_len)
     ids: list[int] = []
     for piece in gen:
@@ -82,4 +97,4 @@ def run_demo(
                for mode in (("plain", "spec") if i % 2 == 0 else ("spec", "plain"))}
         runs.append((got["spec"], got["plain"]))
     identical = all(s.token_ids == p.token_ids == runs[0][1].token_ids for s, p in runs) and ids == runs[0][1].token_ids
-    click.echo(summary([s.stats for s, _ in runs], [p.stats for _, p in runs], identical))
+    return summary([s.stats for s, _ in runs], [p.stats for _, p in runs], identical)

@@ -6,6 +6,11 @@ import pytest
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# A Session with a draft graph makes the process's ONNX Runtime thread pool shared by default, and
+# ONNX Runtime then refuses sessions that ask for threads of their own: this process runs such
+# sessions (plain InferenceSessions), so its Sessions keep pools of their own.
+# tests/test_thread_pool.py proves the default in child processes.
+os.environ.setdefault("SPECDEPLOY_THREAD_POOL", "own")
 sys.path.insert(0, str(Path(__file__).parent))
 
 import tiny  # noqa: E402
@@ -62,3 +67,14 @@ def bundles(models, tmp_path_factory):
         return built[name]
 
     return get
+
+
+# Fixtures that build source models or export bundles: a test that reaches any of them (directly
+# or through another fixture) belongs to the whole suite, not to `make test-fast`.
+EXPORTING_FIXTURES = {"models", "bundles", "smollm2", "small_vocab", "small_tree"}
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if EXPORTING_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.bundle)

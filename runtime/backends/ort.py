@@ -91,8 +91,9 @@ def share_cpu_threads(threads: int | None = None) -> int:
     wide (None: every core), and return its width. For good: ONNX Runtime makes the pool once
     and never resizes it, and from then on refuses any session of the process, ours or not,
     that asks for threads of its own. So call it once, before loading a bundle, in a process
-    whose ONNX Runtime sessions are all ours (the `specdeploy` command does; a service that
-    embeds Session decides for itself). Without it each session has a pool of its own.
+    whose ONNX Runtime sessions are all ours (the `specdeploy` command does, and so does a Session
+    whose bundle has a draft graph unless told otherwise: settle_thread_pool). Without it each
+    session has a pool of its own.
 
     Why: a target and its draft take turns on the same cores, pass after pass. On pools of
     their own, either the draft's threads sleep between its steps (each of a step's hundreds
@@ -116,6 +117,48 @@ def share_cpu_threads(threads: int | None = None) -> int:
             raise InputError(f"this process's ONNX Runtime sessions share a pool of {_pool_threads or 'unknown'} threads; "
                              f"ONNX Runtime cannot remake it {want} wide")
         return _pool_threads
+
+
+THREAD_POOLS = ("auto", "shared", "own")
+THREAD_POOL_ENV = "SPECDEPLOY_THREAD_POOL"  # the default of Session(thread_pool=None), for a deployer
+
+
+def thread_pool_choice(request: str | None) -> str:
+    """The pool a Session asks for, checked: `request`, else $SPECDEPLOY_THREAD_POOL, else "auto"."""
+    if request is not None and request not in THREAD_POOLS:
+        raise InputError(f"thread_pool {request!r:.40} is not one of {', '.join(THREAD_POOLS)}")
+    want = request if request is not None else os.environ.get(THREAD_POOL_ENV) or "auto"
+    if want not in THREAD_POOLS:
+        raise InputError(f"{THREAD_POOL_ENV} {want!r:.40} is not one of {', '.join(THREAD_POOLS)}")
+    return want
+
+
+def settle_thread_pool(want: str, threads: int | None, alternating: bool) -> str:
+    """Whether a session's CPU engines run on the process's one thread pool ("shared") or on
+    pools of their own ("own"), decided before any engine loads (ONNX Runtime fixes a
+    session's pool when it makes the session).
+
+    `want` (thread_pool_choice): "auto" shares when `alternating` (the bundle has a draft
+    graph: target and draft take turns on the same cores, where one pool is the fast
+    configuration, see share_cpu_threads) and keeps pools of their own otherwise (a target
+    alone gains nothing from it). Once the process has a shared pool, ONNX Runtime runs every
+    later session on it, so that is what a session gets, whatever it asked. The pool is for
+    good and ONNX Runtime then refuses other code's sessions that ask for threads of their
+    own: a process that runs other ONNX Runtime sessions asks for "own"."""
+    if _pool_threads is not None:
+        if want == "own":
+            log.warning("thread_pool 'own' cannot be had: this process's ONNX Runtime sessions share one pool already")
+        return "shared"
+    if want == "own" or (want == "auto" and not alternating):
+        return "own"
+    try:
+        width = share_cpu_threads(threads)
+    except InputError:  # made by other code of this process: the engines join it when they load
+        return "shared"
+    log.info(f"ONNX Runtime: this process's sessions now share one pool of {width} threads (target and draft "
+             f"take turns on it); other ONNX Runtime sessions of the process must set use_per_session_threads = False, "
+             f"or pass Session(thread_pool='own') / {THREAD_POOL_ENV}=own")
+    return "shared"
 
 
 @dataclass(frozen=True)
@@ -598,4 +641,5 @@ def _run_options(graph_id: int) -> ort.RunOptions:
     return options
 
 
-__all__ = ["OrtEngine", "PROVIDER_DTYPES", "Placement", "check_placement", "session_options", "share_cpu_threads", "trt_options"]
+__all__ = ["OrtEngine", "PROVIDER_DTYPES", "Placement", "THREAD_POOLS", "THREAD_POOL_ENV", "check_placement", "session_options",
+           "settle_thread_pool", "share_cpu_threads", "thread_pool_choice", "trt_options"]

@@ -12,6 +12,7 @@ from specdeploy.core.errors import InputError
 from specdeploy.core.manifest import Bundle, load_bundle
 
 from specdeploy.runtime.backends import BackendChoice, Device, make_engine
+from specdeploy.runtime.backends.ort import settle_thread_pool, thread_pool_choice
 from specdeploy.runtime.decoding.drafters import make_drafter
 from specdeploy.runtime.decoding.loop import PromptCache, decode
 from specdeploy.runtime.decoding.policy import DraftLength, TreeSize
@@ -127,6 +128,7 @@ class Session:
     def __init__(
         self, bundle: str | Path | Bundle, threads: int | None = None, verify: bool = True, backend: str = "ort",
         prompt_cache: bool = True, device: str | Device | None = None, trt_ep: bool = False,
+        thread_pool: str | None = None,
     ):
         """`prompt_cache`: a generation whose prompt begins with tokens the KV buffers already
         hold (the previous prompt and answer: a chat's system prompt, its earlier turns)
@@ -135,11 +137,20 @@ class Session:
 
         `device`: cpu, cuda or cuda:N (the ort and torch backends; None: the backend's own
         default, the CPU for ort). `trt_ep`: ort on CUDA through ONNX Runtime's TensorRT
-        execution provider, falling back to its CUDA provider where TensorRT is missing."""
+        execution provider, falling back to its CUDA provider where TensorRT is missing.
+
+        `thread_pool` (ort on the CPU): "auto" (None: $SPECDEPLOY_THREAD_POOL, else auto) runs
+        target and draft on the process's one ONNX Runtime thread pool where the bundle has a
+        draft graph, the fast configuration; "own" gives each engine a pool of its own (for a
+        process whose other ONNX Runtime sessions want their own threads); "shared" always
+        shares. See runtime.backends.ort.settle_thread_pool."""
         choice = BackendChoice.of(backend, device, trt_ep)  # checked before the bundle is read
+        pool = thread_pool_choice(thread_pool)
         self.bundle = bundle if isinstance(bundle, Bundle) else load_bundle(bundle, verify=verify)
         b = self.bundle
         b.check_memory()  # before any buffer is allocated
+        on_cpu_ort = choice.name == "ort" and (choice.device is None or choice.device.kind == "cpu")
+        self.thread_pool = settle_thread_pool(pool, threads, b.model("draft") is not None) if on_cpu_ort else None
         self.cache = PromptCache(b.max_seq) if prompt_cache else None
         self.tokenizer = Tokenizer(b.file(b.tokenizer.file), b.tokenizer)
         self.backend = choice.name

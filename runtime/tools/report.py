@@ -60,9 +60,15 @@ def describe(bundle: Bundle) -> str:
     return "\n".join(lines)
 
 
+MIN_PAIRS = 3  # fewer alternating pairs than this tell nothing about a speedup on a shared machine
+
+
 def summary(spec: list[Stats], plain: list[Stats], identical: bool) -> str:
-    """Medians over runs of one prompt, speculative and plain alternating; the speedup is the
-    median of the per-pair ratios of decode-only tokens/s (first round's end to the last token)."""
+    """Medians over runs of one prompt, speculative and plain alternating. The speedup is the
+    median of the per-pair ratios of decode-only tokens/s (first round's end to the last
+    token), stated only when every pair lies on the same side of 1.0: otherwise the ratios are
+    the machine's noise, and the line says so, and how little speculation had to work with.
+    """
     from statistics import median
 
     def line(name: str, runs: list[Stats]) -> str:
@@ -70,16 +76,51 @@ def summary(spec: list[Stats], plain: list[Stats], identical: bool) -> str:
                 f"whole request {median(r.tokens_per_second for r in runs):.1f} tok/s "
                 f"(first token {median(r.first_token_seconds for r in runs) * 1000:.0f} ms)")
 
-    ratios = [s.decode_tokens_per_second / p.decode_tokens_per_second for s, p in zip(spec, plain) if p.decode_tokens_per_second]
     last = spec[-1]
     return "\n".join(
         [
             line("speculative", spec),
             line("plain", plain),
-            f"speedup      {median(ratios) if ratios else 0.0:.2f}x decoding (median of {len(ratios)} alternating pairs; "
-            f"per pair {', '.join(f'{r:.2f}' for r in ratios)})",
+            speedup_line(spec, plain),
             f"acceptance   {last.acceptance_rate:.1%} of {last.drafted} drafted tokens; "
             f"{last.mean_accepted:.2f} tokens per target pass ({last.target_passes} passes)",
             f"identical    {'yes: token for token, every run' if identical else 'NO: outputs differ'}",
         ]
     )
+
+
+def speedup_line(spec: list[Stats], plain: list[Stats]) -> str:
+    """The speedup line of `summary`: stated only when every alternating pair lies on the same
+    side of 1.0 and the median is one speculation could have made. A round commits its
+    tokens in one target pass that costs at least a plain step, so decoding cannot gain more
+    than the tokens committed per pass: a ratio above that is the machine's noise.
+
+    >>> from specdeploy.runtime.decoding.stats import Stats
+    >>> def run(seconds, passes=11):
+    ...     s = Stats(); s.new_tokens, s.seconds, s.first_token_seconds, s.first_round_tokens = 33, seconds, 0.0, 1
+    ...     s.target_passes = passes
+    ...     return s
+    >>> print(speedup_line([run(1.0), run(1.0), run(1.0)], [run(1.5), run(1.4), run(1.6)]))
+    speedup      1.50x decoding (median of 3 alternating pairs, every one faster: 1.50, 1.40, 1.60)
+    >>> print(speedup_line([run(1.0, 32)] * 3, [run(1.2), run(1.1), run(1.3)]))  # 1.03 tokens a pass
+    speedup      none measurable (median of 3 alternating pairs 1.20x: 1.20, 1.10, 1.30): 1.03 tokens per target pass allow at most 1.03x; the rest is this machine's timing noise
+    """
+    from statistics import median
+
+    ratios = [s.decode_tokens_per_second / p.decode_tokens_per_second for s, p in zip(spec, plain) if p.decode_tokens_per_second]
+    if not ratios:
+        return "speedup      not measured (no timed pair decoded past its first token)"
+    m, shown = median(ratios), ", ".join(f"{r:.2f}" for r in ratios)
+    of = f"median of {len(ratios)} alternating pairs"
+    per_pass = median(s.mean_accepted for s in spec)  # tokens committed per target pass
+    if len(ratios) < MIN_PAIRS:
+        why = f"at least {MIN_PAIRS} pairs are needed to tell"
+    elif min(ratios) > 1.0 and m <= per_pass:
+        return f"speedup      {m:.2f}x decoding ({of}, every one faster: {shown})"
+    elif max(ratios) < 1.0:
+        return f"slowdown     {m:.2f}x decoding ({of}, every one slower: {shown})"
+    elif m > per_pass:
+        why = f"{per_pass:.2f} tokens per target pass allow at most {per_pass:.2f}x; the rest is this machine's timing noise"
+    else:
+        why = f"the pairs fall on both sides of 1.0 ({per_pass:.2f} tokens per target pass)"
+    return f"speedup      none measurable ({of} {m:.2f}x: {shown}): {why}"
