@@ -177,13 +177,13 @@ TINY_CORRECTNESS_PAIR = ("tiny-target", "tiny-distilled")
 # measured on this project's 2-core CPU, real SmolLM2-135M-Instruct target (int4), greedy,
 # real drafts; the figures are the files' `configs[].acceptance` at pinned k.
 MEASURED_ACCEPTANCE = {
-    "distilled-1L": (0.19, "docs/bench_distilled_smollm2.json: 0.185 (k=1), 0.190 (k=2), 0.193 (k=3); "
-                           "distilled draft, 1 layer, 4096-token head, int8; 20 varied prompts"),
-    "distilled-2L": (0.21, "docs/bench_distilled_smollm2_2layer.json: 0.214 (k=1), 0.212 (k=2), 0.217 (k=3); "
-                           "2 layers, 8192-token head, int8; 20 varied prompts, 3 repeats"),
-    "ngram-varied": (0.70, "docs/bench_ngram_varied.json: 0.68 (k=4), 0.70 (k=8); prompt lookup 4..2, of the "
+    "distilled-1L": (0.19, "results/distilled_vs_ngram/distilled_1layer.json: 0.185 (k=1), 0.190 (k=2), "
+                           "0.193 (k=3); distilled draft, 1 layer, 4096-token head, int8; 20 varied prompts"),
+    "distilled-2L": (0.21, "results/distilled_vs_ngram/distilled_2layer.json: 0.214 (k=1), 0.212 (k=2), "
+                           "0.217 (k=3); 2 layers, 8192-token head, int8; 20 varied prompts, 3 repeats"),
+    "ngram-varied": (0.70, "results/distilled_vs_ngram/ngram_varied.json: 0.68 (k=4), 0.70 (k=8); prompt lookup 4..2, of the "
                            "lookups that found a match; 20 varied prompts"),
-    "ngram-grounded": (0.80, "docs/bench_ngram_grounded.json: 0.79 (k=4), 0.80 (k=8); prompt lookup 4..2, "
+    "ngram-grounded": (0.80, "results/distilled_vs_ngram/ngram_grounded.json: 0.79 (k=4), 0.80 (k=8); prompt lookup 4..2, "
                              "12 input-grounded prompts"),
 }
 # n-gram drafts cost no device time: their prediction takes c = 0.

@@ -1,5 +1,5 @@
 """benchmarks/policy_replay.py: its round accounting, and the runtime's `auto` replayed on the
-traces and costs recorded from SmolLM2 runs (docs/policy_replay_*.json, no models needed)."""
+traces and costs recorded from SmolLM2 runs (tests/fixtures/policy_replay_*.json, no models needed)."""
 import json
 import statistics
 import sys
