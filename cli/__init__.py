@@ -11,6 +11,7 @@ from pathlib import Path
 import click
 
 from specdeploy.core.errors import InputError, SpecdeployError
+from specdeploy.core.choices import BACKENDS, DTYPES, QUANT_SCHEMES
 from specdeploy.core.manifest import ATTENTIONS
 
 DEFAULT_PROMPT = "Explain in three short sentences why the sky is blue."
@@ -25,8 +26,6 @@ class _Cli(click.Group):
             ctx.exit(1)
 
 
-DTYPES = ["fp32", "fp16", "int8", "int4"]  # export/onnx_export.py's, without importing torch here
-QUANT_SCHEMES = ["exact", "fast"]  # export/quantize.py's
 
 
 def _device_options(command):
@@ -148,7 +147,7 @@ def _parse_ids(text: str) -> list[int]:
 @click.option("--stop", multiple=True, help="Stop string (repeatable); the text ends before it.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object: text, token_ids, stats.")
 @click.option("--threads", type=int, help="ONNX Runtime intra-op threads (default: all cores).")
-@click.option("--backend", type=click.Choice(["ort", "torch", "trt"]), default="ort", show_default=True)
+@click.option("--backend", type=click.Choice(BACKENDS), default="ort", show_default=True)
 @_device_options
 def generate(bundle, prompt, prompt_ids, chat, max_new_tokens, draft_len, tree_nodes, no_speculate, temperature, top_k,
              top_p, seed, stop, as_json, threads, backend, device, trt_ep):
@@ -194,7 +193,7 @@ def inspect(bundle, no_verify):
 
 @main.command()
 @click.argument("bundle", type=click.Path(path_type=Path))
-@click.option("--backend", type=click.Choice(["ort", "torch", "trt"]), default="ort", show_default=True)
+@click.option("--backend", type=click.Choice(BACKENDS), default="ort", show_default=True)
 @_device_options
 @click.option("--draft-len", default="1,2,4,8,auto", show_default=True, help="Comma-separated draft lengths.")
 @click.option("--prompts", type=click.Path(path_type=Path), help="One prompt per line (default: a built-in set).")
@@ -292,7 +291,7 @@ def serve(bundle, host, port, workers, max_queue, threads, model_name, max_body_
               help="Model instances: processes, each with the bundle loaded and its own KV buffers.")
 @click.option("--max-queue", default=8, show_default=True,
               help="Requests allowed to wait while every instance is busy; Triton refuses the ones past it.")
-@click.option("--backend", type=click.Choice(["ort", "torch", "trt"]), default="ort", show_default=True,
+@click.option("--backend", type=click.Choice(BACKENDS), default="ort", show_default=True,
               help="ort on the CPU; torch or trt on each instance's GPU.")
 @click.option("--threads", type=int, help="ONNX Runtime intra-op threads per instance (default: all cores).")
 @click.option("--reference", is_flag=True, help="State the bundle's absolute path in config.pbtxt instead of copying it.")

@@ -17,13 +17,14 @@ import torch
 
 from specdeploy.core.errors import BundleError, ExportError
 from specdeploy.core.graph_io import LOGITS_ROWS, io_names, kv_names
+from specdeploy.core.choices import DTYPES, KV_DTYPE, QUANT_SCHEMES
 from specdeploy.core.manifest import ATTENTIONS, MANIFEST, Manifest, ModelSpec, TokenizerEntry, checksums, write_manifest
 
 from .drafts import parse_draft
 from .graph import SpecGraph, restrict_head
 from .load import Source, eos_token_ids, load_source, source_digest
-from .onnx_export import DTYPES, KV_DTYPES, PARITY_TEXT, check_parity, export_onnx
-from .quantize import QUANT_SCHEMES, SCHEMES, quantize_model
+from .onnx_export import PARITY_TEXT, TORCH_DTYPE, check_parity, export_onnx
+from .quantize import SCHEMES, quantize_model
 
 VERSION = "0.1.0"
 # A draft graph that runs on ONNX Runtime only (int8/int4) takes the fused attention unless
@@ -74,7 +75,7 @@ def model_entry(graph: SpecGraph, source: Source, role: str, graph_file: str, dt
         head_dim=graph.head_dim,
         vocab_size=cfg.vocab_size,
         dtype=dtype,
-        kv_dtype=KV_DTYPES[dtype],
+        kv_dtype=KV_DTYPE[dtype],
         sliding_window=model_window(cfg, max_seq),
         parameters=sum(p.numel() for p in graph.parameters()),
         inputs={
@@ -102,7 +103,7 @@ def _export_model(
     fused = attention == "fused"
     if graph.quantization is not None or fused:  # ONNX Runtime's graphs: its contrib ops
         graph.use_contrib_ops(max_seq, fused=fused)
-    export_onnx(graph, work / graph_file, max_seq, DTYPES[dtype], optimize=not graph.contrib_ops)
+    export_onnx(graph, work / graph_file, max_seq, TORCH_DTYPE[dtype], optimize=not graph.contrib_ops)
     spec = model_entry(graph, source, role, graph_file, dtype, max_seq).replace(attention=attention)
     log(f"  {role}: exported {graph.num_layers} layers ({dtype}, {attention} attention) in "
         f"{time.perf_counter() - t0:.1f}s; checking parity")
@@ -131,7 +132,7 @@ def source_graph(source: Source, dtype: str, num_layers: int | None = None, quan
         gguf = source.path if source.path.suffix == ".gguf" else None
         record = quantize_model(model, dtype, gguf, num_layers, quant_scheme)
     else:
-        model = model.to(DTYPES[dtype])
+        model = model.to(TORCH_DTYPE[dtype])
     graph = SpecGraph(model, num_layers, head_vocab=vocab).eval()
     graph.inv_freq = graph.inv_freq.float()  # RoPE angles stay in fp32 whatever the weights
     graph.quantization = record

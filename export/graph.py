@@ -24,37 +24,15 @@ only the first L slots of the buffer, L taken from the mask's shape, so its cost
 the real context, and slots at and past the written length are never read: rollback after
 a rejection is moving the length back, with no copy.
 
-`kv_write` is a custom op so the exporter emits ONNX `TensorScatter` (opset 24), which
-ONNX Runtime and TensorRT execute in place when the output aliases the input buffer.
+`kv_write` is a custom op (export/ops.py) so the exporter emits ONNX `TensorScatter` (opset 24),
+which ONNX Runtime and TensorRT execute in place when the output aliases the input buffer.
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-OPSET = 24
-
-
-@torch.library.custom_op("specdeploy::kv_write", mutates_args=())
-def kv_write(cache: torch.Tensor, update: torch.Tensor, write_indices: torch.Tensor) -> torch.Tensor:
-    """cache [B, H, S, D], update [B, H, T, D], write_indices [B] -> cache with rows written."""
-    out = cache.clone()
-    t = update.shape[2]
-    for b in range(cache.shape[0]):
-        i = int(write_indices[b])
-        out[b, :, i : i + t] = update[b]
-    return out
-
-
-@kv_write.register_fake
-def _(cache, update, write_indices):
-    return torch.empty_like(cache)
-
-
-def kv_write_onnx(cache, update, write_indices):
-    from onnxscript import values
-
-    return values.Opset("", OPSET).TensorScatter(cache, update, write_indices, axis=-2)
+from .ops import attention_reference, fused_attention_eager, group_query_attention, kv_write, rope_caches, rotary, skip_rms_norm
 
 
 def kv_write_inplace(cache: torch.Tensor, update: torch.Tensor, write_indices: torch.Tensor) -> torch.Tensor:
@@ -173,8 +151,6 @@ class SpecGraph(nn.Module):
         embedding and KV write (GroupQueryAttention), one node; its verify rows equal single
         steps only up to rounding (README: exact and fused graphs). For ONNX Runtime only:
         TensorRT's parser does not read contrib ops."""
-        from .contrib import rope_caches
-
         cos, sin = rope_caches(self.inv_freq, self.rope_scale, positions)
         self.register_buffer("cos_cache", cos, persistent=False)
         self.register_buffer("sin_cache", sin, persistent=False)
@@ -196,8 +172,6 @@ class SpecGraph(nn.Module):
         if delta is None:
             return rms_norm(norm, h), h
         if self.skip_norms:
-            from .contrib import skip_rms_norm
-
             eps = getattr(norm, "variance_epsilon", None) or getattr(norm, "eps")
             return skip_rms_norm(h, delta, norm.weight, eps)
         h = h + delta
@@ -207,8 +181,6 @@ class SpecGraph(nn.Module):
                    key_cache, value_cache):
         """-> (output [B, T, H*D], key cache, value cache) for layer `layer`. `mask`: the
         additive mask as attention_reference reads it."""
-        from .contrib import attention_reference, fused_attention_eager, group_query_attention
-
         b, t, _ = x.shape
         write = kv_write_inplace if self.inplace else kv_write
         d = self.head_dim
@@ -223,8 +195,6 @@ class SpecGraph(nn.Module):
         else:
             q, k, v = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
         if self.contrib_ops:
-            from .contrib import rotary
-
             q = rotary(q, position_ids, self.cos_cache.to(q.dtype), self.sin_cache.to(q.dtype), self.num_heads)
             k = rotary(k, position_ids, self.cos_cache.to(k.dtype), self.sin_cache.to(k.dtype), self.num_kv_heads)
         q = q.view(b, t, self.num_heads, d).transpose(1, 2)

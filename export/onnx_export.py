@@ -12,14 +12,12 @@ from specdeploy.core.graph_io import LOGITS_ROWS, attention_mask, io_names
 from specdeploy.core.manifest import ModelSpec
 from specdeploy.core.errors import ExportError
 
-from .graph import OPSET, SpecGraph, kv_write, kv_write_onnx
-from .contrib import group_query_attention_onnx, rotary_onnx, skip_rms_norm_onnx
-from .quantize import gather_block_quantized_onnx, matmul_nbits_onnx
+from .graph import SpecGraph
+from .ops import OPSET, kv_write, onnx_translations
 
 # --dtype -> the float type of the graph's activations and KV cache. int8/int4 are
 # weight-only (export/quantize.py): activations and the KV cache stay float32.
-DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "int8": torch.float32, "int4": torch.float32}
-KV_DTYPES = {"fp32": "float32", "fp16": "float16", "int8": "float32", "int4": "float32"}
+TORCH_DTYPE = {"fp32": torch.float32, "fp16": torch.float16, "int8": torch.float32, "int4": torch.float32}  # per core DTYPES
 # Largest |ONNX Runtime - eager| allowed, relative to the largest |logit|, per dtype. The
 # int graphs' eager module rounds activations to int8 blocks exactly as MatMulNBits does
 # (a single node matches it to 1e-6, tests/test_quant.py), but rounding is discontinuous:
@@ -87,14 +85,7 @@ def export_onnx(graph: SpecGraph, path: Path, max_seq: int, kv_dtype: torch.dtyp
             opset_version=OPSET,
             dynamo=True,
             dynamic_shapes=dynamic,
-            custom_translation_table={
-                torch.ops.specdeploy.kv_write.default: kv_write_onnx,
-                torch.ops.specdeploy.matmul_nbits.default: matmul_nbits_onnx,
-                torch.ops.specdeploy.gather_block_quantized.default: gather_block_quantized_onnx,
-                torch.ops.specdeploy.rotary.default: rotary_onnx,
-                torch.ops.specdeploy.skip_rms_norm.default: skip_rms_norm_onnx,
-                torch.ops.specdeploy.group_query_attention.default: group_query_attention_onnx,
-            },
+            custom_translation_table=onnx_translations(),
             verbose=False,
             optimize=optimize,
         )
@@ -216,7 +207,7 @@ def check_parity(
     from specdeploy.runtime.backends.ort import OrtEngine
 
     engine = OrtEngine(onnx_path, spec, max_seq, threads=None)
-    kv_dtype = DTYPES[dtype]
+    kv_dtype = TORCH_DTYPE[dtype]
     past = kv_buffers(graph, max_seq, kv_dtype)
     rng = np.random.default_rng(seed)
     schedule = parity_schedule(max_seq, max_draft, prefill_chunk)
@@ -274,4 +265,4 @@ def check_parity(
 
 
 
-__all__ = ["DTYPES", "PARITY_TEXT", "check_parity", "export_onnx", "io_names", "kv_write"]
+__all__ = ["PARITY_TEXT", "TORCH_DTYPE", "check_parity", "export_onnx", "io_names", "kv_write"]

@@ -36,11 +36,10 @@ import torch
 from torch import nn
 
 from specdeploy.core.errors import ExportError
+from specdeploy.core.choices import QUANT_SCHEMES
 
-from .contrib import contrib, register_schema
+from .ops import ACCURACY_LEVEL, BLOCK, gather_block_quantized, matmul_nbits
 
-BLOCK = 32
-ACCURACY_LEVEL = 4  # MatMulNBits: int8 activations per block (MLAS's fast CPU path)
 SCHEMES = {"int4": 4, "int8": 8}
 HEAD_BITS = 8
 # --quant-scheme: where the blocks come from and their form.
@@ -50,10 +49,11 @@ HEAD_BITS = 8
 #          fastest (symmetric: no minimum term, no zero points), the head in the same bits,
 #          and at int4 the token embedding in the head's 4-bit blocks (GatherBlockQuantized;
 #          tied weights share them)
-QUANT_SCHEMES = {
+SCHEME_PLANS = {  # one per core QUANT_SCHEMES name
     "exact": {"source_blocks": True, "zero": "min", "head_bits": HEAD_BITS, "embedding_bits": None},
     "fast": {"source_blocks": False, "zero": "none", "head_bits": None, "embedding_bits": 4},  # None: the linears' bits
 }
+assert tuple(SCHEME_PLANS) == QUANT_SCHEMES
 PROJECTIONS = {  # HF module path within a layer -> GGUF tensor name within blk.N
     "self_attn.q_proj": "attn_q",
     "self_attn.k_proj": "attn_k",
@@ -174,51 +174,6 @@ def pack(blocks: Blocks) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return np.ascontiguousarray(packed, dtype=np.uint8), blocks.scale.reshape(-1).astype(np.float32), zp.astype(np.uint8)
 
 
-@torch.library.custom_op("specdeploy::matmul_nbits", mutates_args=())
-def matmul_nbits(
-    x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zero_points: torch.Tensor | None, k: int, n: int, bits: int
-) -> torch.Tensor:
-    """x [..., K] @ dequantized(B)^T -> [..., N]: the eager meaning of MatMulNBits at
-    accuracy level 4, whose CPU kernel first quantizes each block of 32 activations of a
-    row to int8 (scale = max |x| / 127, round to nearest); done here the same way, so the
-    reference and ONNX Runtime differ only in summation order. No zero points: every
-    block's is 2^(bits - 1) (symmetric), as MatMulNBits assumes when the input is absent."""
-    nb = k // BLOCK
-    xb = x.reshape(*x.shape[:-1], nb, BLOCK)
-    scale = xb.abs().amax(-1, keepdim=True) / 127
-    inverse = torch.where(scale > 0, 1 / scale, torch.zeros_like(scale))
-    x = (torch.round(xb * inverse) * scale).reshape(x.shape)
-    if zero_points is None:
-        zero_points = torch.full((n * ((nb + 1) // 2 if bits == 4 else nb),), 0x88 if bits == 4 else 128,
-                                 dtype=torch.uint8, device=packed.device)
-    if bits == 4:
-        q = torch.stack([packed & 0x0F, packed >> 4], dim=-1).reshape(n, nb, BLOCK)
-        zp = torch.stack([zero_points & 0x0F, zero_points >> 4], dim=-1).reshape(n, -1)[:, :nb]
-    else:
-        q = packed.reshape(n, nb, BLOCK)
-        zp = zero_points.reshape(n, nb)
-    w = (q.float() - zp.float()[..., None]) * scales.reshape(n, nb, 1)
-    return torch.matmul(x, w.reshape(n, k).to(x.dtype).t())
-
-
-@matmul_nbits.register_fake
-def _(x, packed, scales, zero_points, k, n, bits):
-    return x.new_empty((*x.shape[:-1], n))
-
-
-def matmul_nbits_onnx(x, packed, scales, zero_points, k, n, bits):
-    register_schema(
-        "MatMulNBits",
-        [("A", "T1"), ("B", "T2"), ("scales", "T1"), ("zero_points", "T3")],
-        {"T1": ["tensor(float)", "tensor(float16)"], "T2": ["tensor(uint8)"], "T3": ["tensor(uint8)"]},
-        {"K": "INT", "N": "INT", "bits": "INT", "block_size": "INT", "accuracy_level": "INT"},
-        optional=("accuracy_level", "zero_points"),
-    )
-    return contrib("MatMulNBits")(
-        x, packed, scales, zero_points, K=k, N=n, bits=bits, block_size=BLOCK, accuracy_level=ACCURACY_LEVEL
-    )
-
-
 class QuantLinear(nn.Module):
     """A linear layer over `Blocks`: MatMulNBits, plus the block minimum term, plus bias."""
 
@@ -244,38 +199,6 @@ class QuantLinear(nn.Module):
         if self.bias is not None:
             y = y + self.bias.to(x.dtype)
         return y
-
-
-@torch.library.custom_op("specdeploy::gather_block_quantized", mutates_args=())
-def gather_block_quantized(packed: torch.Tensor, ids: torch.Tensor, scales: torch.Tensor, n: int, k: int) -> torch.Tensor:
-    """The rows `ids` of a symmetric 4-bit table [N, K] (packed as MatMulNBits' B: two
-    values a byte, low nibble first; one scale per block of 32; zero point 8), dequantized:
-    the eager meaning of GatherBlockQuantized (gather_axis 0, quantize_axis 1)."""
-    nb = k // BLOCK
-    rows = packed.reshape(n, k // 2)[ids]  # [..., K/2]
-    q = torch.stack([rows & 0x0F, rows >> 4], dim=-1).reshape(*ids.shape, nb, BLOCK)
-    return ((q.float() - 8) * scales.reshape(n, nb)[ids][..., None]).reshape(*ids.shape, k)
-
-
-@gather_block_quantized.register_fake
-def _(packed, ids, scales, n, k):
-    return scales.new_empty((*ids.shape, k))
-
-
-def gather_block_quantized_onnx(packed, ids, scales, n, k):
-    from onnxscript import values
-
-    register_schema(
-        "GatherBlockQuantized",
-        [("data", "T1"), ("indices", "Tind"), ("scales", "T2")],
-        {"T1": ["tensor(uint8)"], "Tind": ["tensor(int64)", "tensor(int32)"], "T2": ["tensor(float)", "tensor(float16)"]},
-        {"gather_axis": "INT", "quantize_axis": "INT", "block_size": "INT", "bits": "INT"},
-        outputs=[("output", "T2")],
-    )
-    std = values.Opset("", 18)
-    data = std.Reshape(packed, std.Constant(value_ints=[n, k // 2]))
-    table_scales = std.Reshape(scales, std.Constant(value_ints=[n, k // BLOCK]))
-    return contrib("GatherBlockQuantized")(data, ids, table_scales, gather_axis=0, quantize_axis=1, block_size=BLOCK, bits=4)
 
 
 class QuantEmbedding(nn.Module):
@@ -336,7 +259,7 @@ def quantize_model(model: nn.Module, scheme: str, gguf_path: Path | None = None,
         raise ExportError(f"quantization {scheme!r}: expected one of {', '.join(SCHEMES)}")
     if quant_scheme not in QUANT_SCHEMES:
         raise ExportError(f"--quant-scheme {quant_scheme!r}: expected one of {', '.join(QUANT_SCHEMES)}")
-    plan = {**QUANT_SCHEMES[quant_scheme], **choices}
+    plan = {**SCHEME_PLANS[quant_scheme], **choices}
     plan["head_bits"] = plan["head_bits"] or SCHEMES[scheme]
     cfg = model.config
     source = GgufWeights(gguf_path) if gguf_path is not None and plan["source_blocks"] else None

@@ -12,7 +12,7 @@ from test_quant import _single_node_session
 from tiny import PROMPTS
 
 from specdeploy.core.errors import ExportError
-from specdeploy.export.contrib import DOMAIN, fused_attention_eager, rope_caches, skip_rms_norm
+from specdeploy.export.ops import DOMAIN, fused_attention_eager, rope_caches, skip_rms_norm
 from specdeploy.export.graph import kv_write_inplace
 from specdeploy.export.quantize import ACCURACY_LEVEL, BLOCK, matmul_nbits, pack, quantize_float
 from specdeploy.runtime import Session
@@ -217,12 +217,12 @@ def test_parity_check_catches_a_wrong_quantized_embedding(models, tmp_path):
     against an eager module whose embedding unpacks its nibbles in the wrong order."""
     from specdeploy.export.build import model_entry, source_graph
     from specdeploy.export.load import load_source
-    from specdeploy.export.onnx_export import DTYPES, PARITY_TEXT, check_parity, export_onnx
+    from specdeploy.export.onnx_export import PARITY_TEXT, TORCH_DTYPE, check_parity, export_onnx
 
     source = load_source(models["llama"])
     graph = source_graph(source, "int4", quant_scheme="fast")
     graph.use_contrib_ops(MAX_SEQ, fused=True)
-    export_onnx(graph, tmp_path / "t.onnx", MAX_SEQ, DTYPES["int4"], optimize=False)
+    export_onnx(graph, tmp_path / "t.onnx", MAX_SEQ, TORCH_DTYPE["int4"], optimize=False)
     spec = model_entry(graph, source, "target", "t.onnx", "int4", MAX_SEQ)
     text = source.tokenizer.encode(PARITY_TEXT)
     check = lambda: check_parity(graph, tmp_path / "t.onnx", spec, MAX_SEQ, 8, PREFILL_CHUNK, "int4", text_ids=text)  # noqa: E731

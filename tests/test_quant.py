@@ -9,7 +9,7 @@ import torch
 from conftest import MAX_SEQ, PREFILL_CHUNK
 from tiny import PROMPTS
 
-from specdeploy.export.contrib import rope_caches, rotary
+from specdeploy.export.ops import rope_caches, rotary
 from specdeploy.export.graph import _rotate_half
 from specdeploy.export.quantize import (
     ACCURACY_LEVEL, BLOCK, GGUF_BLOCKS, Blocks, gather_block_quantized, gguf_blocks, matmul_nbits, pack, quantize_float,
@@ -24,7 +24,7 @@ def _single_node_session(op: str, inputs: dict, initializers: dict, order: list[
     import onnxruntime as ort
     from onnx import helper, numpy_helper
 
-    from specdeploy.export.contrib import DOMAIN
+    from specdeploy.export.ops import DOMAIN
 
     node = helper.make_node(op, order or [*inputs, *initializers], ["y"], domain=DOMAIN, **attrs)
     elem = {np.float32: onnx.TensorProto.FLOAT, np.int64: onnx.TensorProto.INT64}

@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from importlib import import_module
 
+from specdeploy.core.choices import BACKENDS as CHOICES
 from specdeploy.core.errors import InputError
 from specdeploy.runtime.decoding.engine import Engine
 
@@ -39,6 +40,7 @@ BACKENDS = {
     # importing the module does not import tensorrt; building an engine does (on the current CUDA device)
     "trt": Backend(".trt", "TrtEngine", "pip install 'specdeploy[trt]'"),
 }
+assert tuple(BACKENDS) == CHOICES, "core/choices.py names the backends this registry holds"
 
 
 @dataclass(frozen=True)

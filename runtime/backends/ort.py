@@ -32,6 +32,7 @@ import onnxruntime as ort
 
 from specdeploy.core.errors import BundleError, InputError
 from specdeploy.core.graph_io import LOGITS_ROWS, check_pass, fill_mask, fill_tree_mask, io_names, window_length
+from specdeploy.core.choices import DTYPES, FLOAT_DTYPES
 from specdeploy.core.manifest import ModelSpec
 from specdeploy.runtime.decoding.tree import TreeLayout
 
@@ -46,9 +47,9 @@ CPU, CUDA, TENSORRT = "CPUExecutionProvider", "CUDAExecutionProvider", "Tensorrt
 # (MatMulNBits, RotaryEmbedding): the CPU and CUDA providers have kernels for them (CUDA: 4-bit
 # MatMulNBits since ORT 1.17, 8-bit since 1.22); TensorRT parses none of them.
 PROVIDER_DTYPES = {
-    CPU: ("fp32", "fp16", "int8", "int4"),
-    CUDA: ("fp32", "fp16", "int8", "int4"),
-    TENSORRT: ("fp32", "fp16"),
+    CPU: DTYPES,
+    CUDA: DTYPES,
+    TENSORRT: FLOAT_DTYPES,
 }
 
 MIN_WINDOW = 64  # the smallest attention window of a captured pass (see window_length)
@@ -631,7 +632,7 @@ def tree_capable(spec: ModelSpec, placement: Placement) -> bool:
     through int8 activations that becomes up to 1.5 (SmolLM2 int4, measured), enough to change
     greedy tokens. Not a GPU yet: `move_kv` copies on the host (the torch backend runs trees
     on CUDA)."""
-    return (spec.attention != "fused" and spec.sliding_window is None and spec.dtype in ("fp32", "fp16")
+    return (spec.attention != "fused" and spec.sliding_window is None and spec.dtype in FLOAT_DTYPES
             and placement.device.kind == "cpu")
 
 

@@ -40,6 +40,7 @@ import numpy as np
 import torch
 
 from specdeploy.core.errors import InputError
+from specdeploy.core.choices import FLOAT_DTYPES
 from specdeploy.core.manifest import ModelSpec
 from specdeploy.core.graph_io import check_pass, window_length
 
@@ -124,7 +125,7 @@ class TorchEngine:
         self.chains = True  # draft_chain / verify_chain: a round with one host synchronisation
         # tree passes (forward(..., tree=)): float graphs without a sliding window (see the ort
         # backend's tree_capable); run eager, with the exact window
-        self.trees = spec.dtype in ("fp32", "fp16") and spec.sliding_window is None
+        self.trees = spec.dtype in FLOAT_DTYPES and spec.sliding_window is None
         self.spec = spec
         self.name = f"{spec.role} (torch)"
         self.max_seq = max_seq

@@ -1,16 +1,52 @@
-"""ONNX Runtime contrib ops (domain com.microsoft) the CPU graphs use, as PyTorch custom ops.
+"""The custom ops of the export graphs, with their eager meanings and ONNX translations, in
+one place: what the exporter turns into which ONNX node (`onnx_translations`).
 
-Each op has an eager meaning (the parity reference and the torch backend) and a translation
-for the exporter. The onnx package has no schemas for contrib ops and the exporter's tracer
-needs one, so `register_schema` declares the inputs and attributes we use, as ONNX
-Runtime's contrib op documentation gives them (com.microsoft, version 1).
+Each op is a PyTorch custom op: its body is the eager meaning (the parity reference and the
+torch backend run it), and its ONNX function is what `torch.onnx.export` writes instead.
 
-Only the int8/int4 graphs use them: they are for ONNX Runtime's CPU provider, and
-TensorRT's ONNX parser does not read them (the fp32/fp16 graphs keep standard ops).
+- `kv_write`: standard ONNX `TensorScatter` (opset 24), which ONNX Runtime and TensorRT run
+  in place when the output aliases the input buffer. Every graph has it.
+- ONNX Runtime contrib ops (domain com.microsoft), for the int8/int4 and fused graphs only:
+  ONNX Runtime's CPU and CUDA providers run them, TensorRT's ONNX parser reads none of them,
+  so the fp32/fp16 graphs keep standard ops. The onnx package has no schemas for contrib ops
+  and the exporter's tracer needs one, so `register_schema` declares the inputs and
+  attributes we use, as ONNX Runtime's contrib op documentation gives them (version 1):
+  `rotary` (RotaryEmbedding), `skip_rms_norm` (SkipSimplifiedLayerNormalization),
+  `group_query_attention` (GroupQueryAttention), `matmul_nbits` (MatMulNBits),
+  `gather_block_quantized` (GatherBlockQuantized).
 """
 from __future__ import annotations
 
 import torch
+
+OPSET = 24  # the graphs' standard opset: TensorScatter needs 24
+BLOCK = 32  # MatMulNBits / GatherBlockQuantized block size along the input dimension
+ACCURACY_LEVEL = 4  # MatMulNBits: int8 activations per block (MLAS's fast CPU path)
+
+
+# -- the KV write (every graph)
+
+@torch.library.custom_op("specdeploy::kv_write", mutates_args=())
+def kv_write(cache: torch.Tensor, update: torch.Tensor, write_indices: torch.Tensor) -> torch.Tensor:
+    """cache [B, H, S, D], update [B, H, T, D], write_indices [B] -> cache with rows written."""
+    out = cache.clone()
+    t = update.shape[2]
+    for b in range(cache.shape[0]):
+        i = int(write_indices[b])
+        out[b, :, i : i + t] = update[b]
+    return out
+
+
+@kv_write.register_fake
+def _(cache, update, write_indices):
+    return torch.empty_like(cache)
+
+
+def kv_write_onnx(cache, update, write_indices):
+    from onnxscript import values
+
+    return values.Opset("", OPSET).TensorScatter(cache, update, write_indices, axis=-2)
+
 
 DOMAIN = "com.microsoft"
 
@@ -163,8 +199,6 @@ def group_query_attention(
     scaling: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(attention output [B, T, H*D], key cache, value cache written): see fused_attention_eager."""
-    from .graph import kv_write
-
     return fused_attention_eager(qkv, key_cache, value_cache, write_indices, attention_mask, cos_cache, sin_cache,
                                  num_heads, kv_heads, scaling, kv_write)
 
@@ -202,3 +236,95 @@ def group_query_attention_onnx(qkv, key_cache, value_cache, write_indices, atten
         qkv, None, None, key_cache, value_cache, seqlens, op.Cast(op.Squeeze(total), to=6), cos_cache, sin_cache,
         num_heads=num_heads, kv_num_heads=kv_heads, do_rotary=1, rotary_interleaved=0, scale=scaling,
     )
+
+
+# -- weight-only quantized linears and embeddings (int8/int4 graphs)
+
+@torch.library.custom_op("specdeploy::matmul_nbits", mutates_args=())
+def matmul_nbits(
+    x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zero_points: torch.Tensor | None, k: int, n: int, bits: int
+) -> torch.Tensor:
+    """x [..., K] @ dequantized(B)^T -> [..., N]: the eager meaning of MatMulNBits at
+    accuracy level 4, whose CPU kernel first quantizes each block of 32 activations of a
+    row to int8 (scale = max |x| / 127, round to nearest); done here the same way, so the
+    reference and ONNX Runtime differ only in summation order. No zero points: every
+    block's is 2^(bits - 1) (symmetric), as MatMulNBits assumes when the input is absent."""
+    nb = k // BLOCK
+    xb = x.reshape(*x.shape[:-1], nb, BLOCK)
+    scale = xb.abs().amax(-1, keepdim=True) / 127
+    inverse = torch.where(scale > 0, 1 / scale, torch.zeros_like(scale))
+    x = (torch.round(xb * inverse) * scale).reshape(x.shape)
+    if zero_points is None:
+        zero_points = torch.full((n * ((nb + 1) // 2 if bits == 4 else nb),), 0x88 if bits == 4 else 128,
+                                 dtype=torch.uint8, device=packed.device)
+    if bits == 4:
+        q = torch.stack([packed & 0x0F, packed >> 4], dim=-1).reshape(n, nb, BLOCK)
+        zp = torch.stack([zero_points & 0x0F, zero_points >> 4], dim=-1).reshape(n, -1)[:, :nb]
+    else:
+        q = packed.reshape(n, nb, BLOCK)
+        zp = zero_points.reshape(n, nb)
+    w = (q.float() - zp.float()[..., None]) * scales.reshape(n, nb, 1)
+    return torch.matmul(x, w.reshape(n, k).to(x.dtype).t())
+
+
+@matmul_nbits.register_fake
+def _(x, packed, scales, zero_points, k, n, bits):
+    return x.new_empty((*x.shape[:-1], n))
+
+
+def matmul_nbits_onnx(x, packed, scales, zero_points, k, n, bits):
+    register_schema(
+        "MatMulNBits",
+        [("A", "T1"), ("B", "T2"), ("scales", "T1"), ("zero_points", "T3")],
+        {"T1": ["tensor(float)", "tensor(float16)"], "T2": ["tensor(uint8)"], "T3": ["tensor(uint8)"]},
+        {"K": "INT", "N": "INT", "bits": "INT", "block_size": "INT", "accuracy_level": "INT"},
+        optional=("accuracy_level", "zero_points"),
+    )
+    return contrib("MatMulNBits")(
+        x, packed, scales, zero_points, K=k, N=n, bits=bits, block_size=BLOCK, accuracy_level=ACCURACY_LEVEL
+    )
+
+
+@torch.library.custom_op("specdeploy::gather_block_quantized", mutates_args=())
+def gather_block_quantized(packed: torch.Tensor, ids: torch.Tensor, scales: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """The rows `ids` of a symmetric 4-bit table [N, K] (packed as MatMulNBits' B: two
+    values a byte, low nibble first; one scale per block of 32; zero point 8), dequantized:
+    the eager meaning of GatherBlockQuantized (gather_axis 0, quantize_axis 1)."""
+    nb = k // BLOCK
+    rows = packed.reshape(n, k // 2)[ids]  # [..., K/2]
+    q = torch.stack([rows & 0x0F, rows >> 4], dim=-1).reshape(*ids.shape, nb, BLOCK)
+    return ((q.float() - 8) * scales.reshape(n, nb)[ids][..., None]).reshape(*ids.shape, k)
+
+
+@gather_block_quantized.register_fake
+def _(packed, ids, scales, n, k):
+    return scales.new_empty((*ids.shape, k))
+
+
+def gather_block_quantized_onnx(packed, ids, scales, n, k):
+    from onnxscript import values
+
+    register_schema(
+        "GatherBlockQuantized",
+        [("data", "T1"), ("indices", "Tind"), ("scales", "T2")],
+        {"T1": ["tensor(uint8)"], "Tind": ["tensor(int64)", "tensor(int32)"], "T2": ["tensor(float)", "tensor(float16)"]},
+        {"gather_axis": "INT", "quantize_axis": "INT", "block_size": "INT", "bits": "INT"},
+        outputs=[("output", "T2")],
+    )
+    std = values.Opset("", 18)
+    data = std.Reshape(packed, std.Constant(value_ints=[n, k // 2]))
+    table_scales = std.Reshape(scales, std.Constant(value_ints=[n, k // BLOCK]))
+    return contrib("GatherBlockQuantized")(data, ids, table_scales, gather_axis=0, quantize_axis=1, block_size=BLOCK, bits=4)
+
+
+def onnx_translations() -> dict:
+    """The exporter's custom translation table: each custom op -> the ONNX function above."""
+    ops = torch.ops.specdeploy
+    return {
+        ops.kv_write.default: kv_write_onnx,
+        ops.matmul_nbits.default: matmul_nbits_onnx,
+        ops.gather_block_quantized.default: gather_block_quantized_onnx,
+        ops.rotary.default: rotary_onnx,
+        ops.skip_rms_norm.default: skip_rms_norm_onnx,
+        ops.group_query_attention.default: group_query_attention_onnx,
+    }
