@@ -2,12 +2,18 @@
 
 The bundle is written into a temporary folder beside `out` and moved into place only
 when complete, so a failed export never leaves a half-written bundle or loses an old one.
+Export writes only where it loses nothing: a folder that is missing, empty, or a bundle it
+recognises by its manifest's format field, never the folder it runs in or one above it.
 """
 from __future__ import annotations
 
 import copy
+import json
+import os
 import shutil
+import signal
 import tempfile
+import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -18,7 +24,7 @@ import torch
 from specdeploy.core.errors import BundleError, ExportError
 from specdeploy.core.graph_io import LOGITS_ROWS, io_names, kv_names
 from specdeploy.core.choices import DTYPES, KV_DTYPE, QUANT_SCHEMES
-from specdeploy.core.manifest import ATTENTIONS, MANIFEST, Manifest, ModelSpec, TokenizerEntry, checksums, write_manifest
+from specdeploy.core.manifest import ATTENTIONS, FORMAT, MANIFEST, Manifest, ModelSpec, TokenizerEntry, checksums, write_manifest
 
 from .drafts import parse_draft
 from .graph import SpecGraph, restrict_head
@@ -33,21 +39,108 @@ VERSION = "0.1.0"
 DRAFT_DEFAULTS = {"attention": "fused", "quant_scheme": "exact"}
 
 
-@contextmanager
-def atomic_folder(out: Path):
-    """A temporary folder beside `out` to write into: it replaces `out` when the block ends
-    and is removed if anything fails, so `out` is never half written and an old one is kept
-    until the new one is whole."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+WORK_MARK = ".specdeploy-export"  # in a work folder: the pid of the export writing it
+
+
+def check_out(out: Path, ours: Callable[[Path], bool] | None = None, what: str = "a specdeploy bundle") -> None:
+    """Refuse, in one line and before any work, an `--out` whose replacement would lose
+    something: a file, a folder under a file, the folder the export runs in (or one above it),
+    or a folder that holds anything but `what` (recognised by `ours`, default: is_bundle)."""
+    ours = ours or is_bundle
+    where = out.resolve()
+    if where == Path.cwd().resolve() or where in Path.cwd().resolve().parents:
+        raise ExportError(f"--out {out}: the folder this export runs in (or one above it); choose another folder")
+    for folder in (where, *where.parents):
+        if folder.exists() and not folder.is_dir():
+            what = "is a file" if folder == where else f"lies under the file {folder}"
+            raise ExportError(f"--out {out}: {what}; choose a folder")
+    if where.is_dir() and any(where.iterdir()) and not ours(where):
+        raise ExportError(f"--out {out}: exists, is not empty and is not {what}; refusing to replace it "
+                          "(choose a new or empty folder)")
+
+
+def is_bundle(folder: Path) -> bool:
+    """Whether `folder` holds a specdeploy bundle: its manifest.json is ours by its format
+    field (a manifest.json of anything else, a browser extension's say, is not)."""
+    manifest = folder / MANIFEST
+    if manifest.is_symlink() or not manifest.is_file() or manifest.stat().st_size > 1 << 22:
+        return False
     try:
-        yield work
-        if out.exists():
-            shutil.rmtree(out)
-        work.rename(out)
+        data = json.loads(manifest.read_text())
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError):
+        return False
+    return isinstance(data, dict) and data.get("format") == FORMAT
+
+
+@contextmanager
+def atomic_folder(out: Path, log: Callable[[str], None] = lambda m: None):
+    """A temporary folder beside `out` to write into: it replaces `out` when the block ends
+    and is removed if anything fails, SIGTERM included, so `out` is never half written and an
+    old one is kept until the new one is whole. Work folders that an export killed outright
+    (SIGKILL) left behind are removed by the next export to the same place."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    _remove_abandoned(out, log)
+    work = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    (work / WORK_MARK).write_text(str(os.getpid()))
+    try:
+        with _terminate_as_exception():
+            yield work
+            (work / WORK_MARK).unlink()
+            if out.exists():  # the old bundle moves aside first: a failure here loses neither
+                old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old.", dir=out.parent))
+                out.rename(old / "bundle")
+                work.rename(out)
+                shutil.rmtree(old, ignore_errors=True)
+            else:
+                work.rename(out)
     except BaseException:
         shutil.rmtree(work, ignore_errors=True)
         raise
+
+
+class Terminated(ExportError):
+    pass
+
+
+@contextmanager
+def _terminate_as_exception():
+    """SIGTERM as an exception while the export runs (main thread only: where Python lets a
+    handler be set), so the work folder is cleaned up like any failure."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum, frame):
+        raise Terminated("export stopped by SIGTERM; nothing was written")
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _remove_abandoned(out: Path, log: Callable[[str], None]) -> None:
+    for folder in out.parent.glob(f".{out.name}.*"):
+        mark = folder / WORK_MARK
+        try:
+            pid = int(mark.read_text())
+        except (OSError, ValueError):
+            continue  # not a work folder of ours: never touched
+        if pid == os.getpid() or _alive(pid):
+            continue
+        shutil.rmtree(folder, ignore_errors=True)
+        log(f"removed {folder}: the work folder of an export that was killed")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def model_window(cfg, max_seq: int) -> int | None:
@@ -221,14 +314,15 @@ def build_bundle(
         raise ExportError(f"--max-seq {max_seq}: expected 2..131072")
     if not 1 <= max_draft <= 32 or max_draft >= max_seq:
         raise ExportError(f"--max-draft {max_draft}: expected 1..32 and below --max-seq")
-    if out.exists() and not (out / MANIFEST).is_file() and any(out.iterdir()):
-        raise ExportError(f"{out}: exists and is not a bundle; refusing to overwrite it")
+    if not 1 <= prefill_chunk <= max_seq:
+        raise ExportError(f"--prefill-chunk {prefill_chunk}: expected 1..{max_seq} (--max-seq)")
+    check_out(out)
     torch.manual_seed(0)
     started = time.perf_counter()
     log(f"loading target {target}")
     target_source = load_source(target)
     recipe.prepare(target_source, log)
-    with atomic_folder(out) as work:
+    with atomic_folder(out, log) as work:
         common = dict(work=work, max_seq=max_seq, max_draft=max_draft, prefill_chunk=prefill_chunk, log=log)
 
         def export_model(source: Source, model_dtype: str, role: str = "draft", num_layers: int | None = None,

@@ -333,8 +333,10 @@ def distill(
 ) -> dict:
     """Train a draft for `target` into the folder `out`; returns the record written beside it."""
     out = Path(out)
-    if out.exists() and not (out / RECORD).is_file() and any(out.iterdir()):
-        raise ExportError(f"{out}: exists and is not a distilled draft; refusing to overwrite it")
+    from .build import check_out
+
+    check_out(out, lambda folder: (folder / RECORD).is_file() and (folder / "config.json").is_file(),
+              "a draft `specdeploy distill` wrote")
     started = time.perf_counter()
     source = load_source(target)
     settings.check(source)
