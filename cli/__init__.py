@@ -5,6 +5,7 @@ User mistakes print one line on stderr (`error: ...`) and exit 1, never a traceb
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -15,6 +16,35 @@ from specdeploy.core.choices import BACKENDS, DTYPES, QUANT_SCHEMES
 from specdeploy.core.manifest import ATTENTIONS
 
 DEFAULT_PROMPT = "Explain in three short sentences why the sky is blue."
+
+
+THREADS = click.IntRange(1, 256)  # ONNX Runtime intra-op threads: a pool past this is a typo, not a setting
+POSITIVE = click.IntRange(min=1)
+
+
+def _writable_file(flag: str, path: Path | None) -> None:
+    """Checked before the run whose results it will hold: a run's minutes are not lost to a
+    missing folder at the end."""
+    if path is None:
+        return
+    if path.is_dir():
+        raise InputError(f"{flag} {path}: is a folder; give a file name")
+    parent = path.parent if str(path.parent) else Path(".")
+    if not parent.is_dir():
+        raise InputError(f"{flag} {path}: no folder {parent}")
+    if not os.access(parent, os.W_OK):
+        raise InputError(f"{flag} {path}: the folder {parent} is not writable")
+
+
+def _port_free(host: str, port: int) -> None:
+    """Before the bundle loads: a port in use is a one-line error, not the server's own exit."""
+    import socket
+
+    try:
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind((host, port))
+    except OSError as e:
+        raise InputError(f"--host {host} --port {port}: cannot listen there ({e.strerror})") from None
 
 
 class _Cli(click.Group):
@@ -72,7 +102,7 @@ def _share_threads(threads: int | None) -> None:
 @click.option("--dtype", type=click.Choice(DTYPES), default="int4", show_default=True,
               help="Target weights: fp32; fp16 (GPUs; KV cache fp16 too); int8/int4 (weight-only blocks, CPUs).")
 @click.option("--draft-dtype", type=click.Choice(DTYPES), default=None, help="Draft model weights.  [default: --dtype]")
-@click.option("--prefill-chunk", default=64, show_default=True, help="Prompt tokens per prefill pass.")
+@click.option("--prefill-chunk", type=POSITIVE, default=64, show_default=True, help="Prompt tokens per prefill pass (at most --max-seq).")
 @click.option("--attention", type=click.Choice(ATTENTIONS), default="exact", show_default=True,
               help="Target graph: exact (verify rows equal single steps bit for bit) or fused (ONNX Runtime's "
                    "GroupQueryAttention and fused norms; ONNX Runtime only; exact up to rounding).")
@@ -146,7 +176,7 @@ def _parse_ids(text: str) -> list[int]:
 @click.option("--seed", type=int, help="Seed for sampling: the same seed gives the same text.")
 @click.option("--stop", multiple=True, help="Stop string (repeatable); the text ends before it.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object: text, token_ids, stats.")
-@click.option("--threads", type=int, help="ONNX Runtime intra-op threads (default: all cores).")
+@click.option("--threads", type=THREADS, help="ONNX Runtime intra-op threads (default: all cores).")
 @click.option("--backend", type=click.Choice(BACKENDS), default="ort", show_default=True)
 @_device_options
 def generate(bundle, prompt, prompt_ids, chat, max_new_tokens, draft_len, tree_nodes, no_speculate, temperature, top_k,
@@ -198,9 +228,9 @@ def inspect(bundle, no_verify):
 @click.option("--draft-len", default="1,2,4,8,auto", show_default=True, help="Comma-separated draft lengths.")
 @click.option("--prompts", type=click.Path(path_type=Path), help="One prompt per line (default: a built-in set).")
 @click.option("--max-new-tokens", default=64, show_default=True)
-@click.option("--repeats", default=3, show_default=True)
+@click.option("--repeats", type=POSITIVE, default=3, show_default=True)
 @click.option("--no-chat", is_flag=True, help="Send prompts as plain text, not through the chat template.")
-@click.option("--threads", type=int)
+@click.option("--threads", type=THREADS)
 @click.option("--json", "json_out", type=click.Path(path_type=Path))
 @click.option("--plot", "plot_out", type=click.Path(path_type=Path))
 def bench(bundle, backend, device, trt_ep, draft_len, prompts, max_new_tokens, repeats, no_chat, threads, json_out,
@@ -210,6 +240,8 @@ def bench(bundle, backend, device, trt_ep, draft_len, prompts, max_new_tokens, r
 
     if prompts is not None and not prompts.is_file():
         raise InputError(f"--prompts {prompts}: no such file")
+    _writable_file("--json", json_out)
+    _writable_file("--plot", plot_out)
     texts = read_prompts(prompts) if prompts else None
     if backend == "ort":
         _share_threads(threads)
@@ -238,7 +270,7 @@ def check_trt(bundle):
 
 @main.command("build")
 @click.argument("bundle", type=click.Path(path_type=Path))
-@click.option("--workspace-gb", default=4.0, show_default=True, help="TensorRT builder workspace limit.")
+@click.option("--workspace-gb", type=click.FloatRange(min=0, min_open=True), default=4.0, show_default=True, help="TensorRT builder workspace limit.")
 @click.option("--timing-cache", type=click.Path(path_type=Path), help="Default: beside the bundle.")
 @click.option("--role", "roles", multiple=True, help="target / draft (default: every model).")
 def build(bundle, workspace_gb, timing_cache, roles):
@@ -251,10 +283,10 @@ def build(bundle, workspace_gb, timing_cache, roles):
 @main.command()
 @click.argument("bundle", type=click.Path(path_type=Path))
 @click.option("--host", default="127.0.0.1", show_default=True, help="Loopback by default; 0.0.0.0 exposes it.")
-@click.option("--port", default=8000, show_default=True)
+@click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True, help="0: any free port.")
 @click.option("--workers", default=1, show_default=True, help="Sessions generating at once (each owns its KV buffers).")
 @click.option("--max-queue", default=8, show_default=True, help="Requests allowed to wait; past it: 503.")
-@click.option("--threads", type=int, help="ONNX Runtime intra-op threads per session (one pool for target and draft "
+@click.option("--threads", type=THREADS, help="ONNX Runtime intra-op threads per session (one pool for target and draft "
                                          "when --workers is 1).")
 @click.option("--model-name", help="Model name reported by the API (default: the bundle folder name).")
 @click.option("--max-body-bytes", default=4 << 20, show_default=True, help="Larger request bodies get 413 unread.")
@@ -275,6 +307,7 @@ def serve(bundle, host, port, workers, max_queue, threads, model_name, max_body_
         raise InputError("--max-body-bytes and --max-prompt-chars must be >= 1")
     if (queue_timeout is not None and not queue_timeout > 0) or not 0 <= graceful_seconds < float("inf"):
         raise InputError("--queue-timeout must be > 0 and --graceful-seconds a finite number >= 0")
+    _port_free(host, port)
     if workers == 1:  # several sessions at once keep pools of their own: none waits on another's threads
         _share_threads(threads)
     click.echo(f"serving {bundle} on http://{host}:{port} ({workers} session(s), queue {max_queue})", err=True)
@@ -293,7 +326,7 @@ def serve(bundle, host, port, workers, max_queue, threads, model_name, max_body_
               help="Requests allowed to wait while every instance is busy; Triton refuses the ones past it.")
 @click.option("--backend", type=click.Choice(BACKENDS), default="ort", show_default=True,
               help="ort on the CPU; torch or trt on each instance's GPU.")
-@click.option("--threads", type=int, help="ONNX Runtime intra-op threads per instance (default: all cores).")
+@click.option("--threads", type=THREADS, help="ONNX Runtime intra-op threads per instance (default: all cores).")
 @click.option("--reference", is_flag=True, help="State the bundle's absolute path in config.pbtxt instead of copying it.")
 @click.option("--check", "check_dir", type=click.Path(path_type=Path),
               help="Check the repository at this path instead: config.pbtxt against Triton's ModelConfig, model.py, bundle.")
@@ -325,9 +358,9 @@ def triton_repo(bundle, out, name, instances, max_queue, backend, threads, refer
 @click.option("--prompts", "prompts_file", required=True, type=click.Path(path_type=Path), help="One prompt per line.")
 @click.option("--max-new-tokens", default=64, show_default=True)
 @click.option("--draft-len", default="auto", show_default=True, help="Draft length of the greedy check (the sampling check pins 1).")
-@click.option("--samples", default=300, show_default=True, help="Seeded samples for the distribution test (0: skip it).")
-@click.option("--alpha", default=1e-3, show_default=True, help="Significance of the chi-square test: a correct sampler fails it with at most this probability.")
-@click.option("--near-tie", default=1e-3, show_default=True, help="Logit margin under which a flip counts as a near tie.")
+@click.option("--samples", type=click.IntRange(min=0), default=300, show_default=True, help="Seeded samples for the distribution test (0: skip it).")
+@click.option("--alpha", type=click.FloatRange(0, 1, min_open=True, max_open=True), default=1e-3, show_default=True, help="Significance of the chi-square test: a correct sampler fails it with at most this probability.")
+@click.option("--near-tie", type=click.FloatRange(min=0), default=1e-3, show_default=True, help="Logit margin under which a flip counts as a near tie.")
 @click.option("--strict", is_flag=True, help="Fail on near-tie flips too.")
 @click.option("--chat/--no-chat", default=None,
               help="Send the prompts through the bundle's chat template, or as plain text.  [default: chat when the bundle has a template]")
@@ -355,6 +388,7 @@ def eval_cmd(bundle, prompts_file, max_new_tokens, draft_len, samples, alpha, ne
 
     if not prompts_file.is_file():
         raise InputError(f"--prompts {prompts_file}: no such file")
+    _writable_file("--json", json_out)
     prompts = read_prompts(prompts_file)
     if not prompts:
         raise InputError(f"--prompts {prompts_file}: no prompts in it")

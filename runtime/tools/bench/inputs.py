@@ -22,8 +22,14 @@ DEFAULT_PROMPTS = (
 
 def read_prompts(path: Path) -> list[str]:
     """One prompt per non-blank line; the two characters backslash and n inside a line stand
-    for a newline (prompts with code)."""
-    return [line.replace("\\n", "\n") for line in path.read_text().splitlines() if line.strip()]
+    for a newline (prompts with code). A file that is missing or not UTF-8 text is a one-line error."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise InputError(f"--prompts {path}: not UTF-8 text (byte {e.start}); save it as UTF-8") from None
+    except OSError as e:
+        raise InputError(f"--prompts {path}: {e.strerror}") from None
+    return [line.replace("\\n", "\n") for line in text.splitlines() if line.strip()]
 
 
 def parse_draft_lens(text: str | Sequence, max_draft: int) -> list:
