@@ -1,4 +1,4 @@
-"""Imports go one way: core <- export, core <- runtime, cli above both (README, Layout).
+"""Imports go one way: core <- export, core <- runtime, cli above both (docs/design.md, "Layout").
 
 Read from the source with `ast`, so an import hidden inside a function counts too."""
 import ast

@@ -50,7 +50,7 @@ def unavailable() -> str | None:
     folder = wheel_folder()
     if folder is None:
         return ("nvidia-pytriton is not installed: its wheels exist for Linux x86_64 and aarch64 with glibc "
-                "2.35+ only (README, Triton)")
+                "2.35+ only (docs/serving.md, Triton)")
     if not (folder / "python_backend_stubs" / PY / "triton_python_backend_stub").is_file():
         return f"nvidia-pytriton 0.7.0 ships no Python backend stub for Python {PY} (it has 3.8-3.13)"
     if not sysconfig.get_config_var("Py_ENABLE_SHARED"):
