@@ -26,7 +26,27 @@ FORMAT = "specdeploy-bundle"
 FORMAT_VERSION = 2  # 2: graphs take logits_rows (core/graph_io.py)
 READS_VERSIONS = (1, 2)
 MANIFEST = "manifest.json"
-DRAFT_KINDS = ("model", "self", "ngram", "suffix", "none")
+DRAFT_KINDS = ("model", "self", "ngram", "suffix", "none")  # the one list: export's recipes, the runtime's drafters
+
+
+def one_class_per_draft_kind(classes, what: str) -> dict[str, type]:
+    """{kind: class} in DRAFT_KINDS order, for classes that each declare their `kind`: export's
+    recipes and the runtime's drafters both register against DRAFT_KINDS, so a kind one side
+    lacks, or a class of an unknown or repeated kind, fails at import, naming it.
+
+    >>> list(one_class_per_draft_kind([type(k, (), {"kind": k}) for k in reversed(DRAFT_KINDS)], "t"))
+    ['model', 'self', 'ngram', 'suffix', 'none']
+    """
+    by_kind: dict[str, type] = {}
+    for cls in classes:
+        if cls.kind not in DRAFT_KINDS or cls.kind in by_kind:
+            raise TypeError(f"{what}: {cls.__name__} has kind {cls.kind!r}, "
+                            f"{'registered twice' if cls.kind in by_kind else 'not one of ' + ', '.join(DRAFT_KINDS)}")
+        by_kind[cls.kind] = cls
+    missing = [kind for kind in DRAFT_KINDS if kind not in by_kind]
+    if missing:
+        raise TypeError(f"{what}: no class for draft kind {', '.join(map(repr, missing))}")
+    return {kind: by_kind[kind] for kind in DRAFT_KINDS}
 
 
 def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
@@ -63,7 +83,8 @@ def _positive(value: int, key: str, where: str, most: int | None = None) -> int:
 # Plausibility bounds: far beyond any model this exports, near enough to stop a tampered
 # manifest from asking for absurd loops or allocations before the memory budget is checked.
 MOST = {"num_layers": 1024, "num_kv_heads": 1024, "head_dim": 4096, "vocab_size": 1 << 22,
-        "max_seq": 1 << 20, "max_draft": 32}
+        "max_seq": 1 << 20, "max_draft": 32, "ngram": 64, "eos_token_ids": 64}
+MANIFEST_BYTES = 16 << 20  # a manifest is a few kB; past this it is not one
 KV_DTYPES = ("float32", "float16")
 ATTENTIONS = ("exact", "fused")  # see ModelSpec.attention
 
@@ -213,9 +234,13 @@ class DraftEntry:
             max_ngram=_take(d, "max_ngram", int, where, optional=True),
             min_ngram=_take(d, "min_ngram", int, where, optional=True),
         )
-        for key in ("layers", "max_ngram", "min_ngram"):
+        if entry.layers is not None:
+            _positive(entry.layers, "layers", where, MOST["num_layers"])
+        for key in ("max_ngram", "min_ngram"):
             if getattr(entry, key) is not None:
-                _positive(getattr(entry, key), key, where)
+                _positive(getattr(entry, key), key, where, MOST["ngram"])
+        if entry.min_ngram is not None and entry.max_ngram is not None and entry.min_ngram > entry.max_ngram:
+            raise BundleError(f"{where}: min_ngram {entry.min_ngram} is above max_ngram {entry.max_ngram}")
         return entry
 
     def as_dict(self) -> dict:
@@ -237,6 +262,8 @@ class TokenizerEntry:
         eos = _take(d, "eos_token_ids", list, where)
         if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in eos):
             raise BundleError(f"{where}: field 'eos_token_ids' must be a list of token ids, got {eos!r:.60}")
+        if len(eos) > MOST["eos_token_ids"]:
+            raise BundleError(f"{where}: field 'eos_token_ids' holds {len(eos)} ids, at most {MOST['eos_token_ids']}")
         return cls(
             file=bundle_file_name(_take(d, "file", str, where), f"{where}.file"),
             eos_token_ids=list(eos),
@@ -296,6 +323,7 @@ class Manifest:
             export_seconds=seconds,
             format_version=version,
         )
+        manifest.check_consistent(where)
         # Every file the runtime opens is one whose checksum the manifest records.
         opened = [manifest.tokenizer.file] + [m.graph for m in manifest.models.values()]
         opened += [m.trt["plan"] for m in manifest.models.values() if m.trt]
@@ -303,6 +331,25 @@ class Manifest:
             if name not in manifest.files:
                 raise BundleError(f"{where}: {name} is used but not listed in 'files' (no checksum): re-export the bundle")
         return manifest
+
+    def check_consistent(self, where: str) -> None:
+        """Fields that contradict each other are a one-line error, never a guess."""
+        target = self.models["target"]
+        graph_draft = self.draft.kind in ("model", "self")  # the kinds whose drafter runs a graph of the bundle
+        if graph_draft != ("draft" in self.models):
+            has = "has" if "draft" in self.models else "has no"
+            raise BundleError(f"{where}: draft kind {self.draft.kind!r} but models {has} 'draft' entry")
+        if set(self.models) - {"target", "draft"}:
+            raise BundleError(f"{where}: models has roles {sorted(self.models)}; expected 'target' and 'draft' only")
+        for spec in self.models.values():  # (shapes the graph contradicts are named when it loads)
+            if spec.sliding_window is not None and not 1 <= spec.sliding_window <= self.max_seq:
+                raise BundleError(f"{where}: models.{spec.role} has sliding_window {spec.sliding_window}, outside "
+                                  f"[1, {self.max_seq}] (max_seq)")
+        if self.draft.kind == "self" and self.draft.layers is not None and self.draft.layers > target.num_layers:
+            raise BundleError(f"{where}: draft layers {self.draft.layers} is above the target's {target.num_layers}")
+        bad = [i for i in self.tokenizer.eos_token_ids if i >= target.vocab_size]
+        if bad:
+            raise BundleError(f"{where}: tokenizer eos_token_ids {bad[0]} is outside the vocabulary [0, {target.vocab_size})")
 
     def kv_bytes(self) -> int:
         """What every model's KV buffers take together."""
@@ -408,12 +455,18 @@ def read_manifest(path: str | Path) -> Manifest:
     manifest_path = path / MANIFEST
     if not path.is_dir():
         raise BundleError(f"{path}: no such bundle folder")
+    if manifest_path.is_symlink():
+        raise BundleError(f"{manifest_path}: is a symbolic link; a bundle's manifest must be a file of its own")
     if not manifest_path.is_file():
         raise BundleError(f"{manifest_path}: missing; {path} is not a specdeploy bundle (run `specdeploy export`)")
+    if manifest_path.stat().st_size > MANIFEST_BYTES:
+        raise BundleError(f"{manifest_path}: {manifest_path.stat().st_size} bytes, more than a manifest's {MANIFEST_BYTES}")
     try:
-        raw = json.loads(manifest_path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise BundleError(f"{manifest_path}: not valid JSON ({e})") from None
+        raw = json.loads(manifest_path.read_bytes().decode("utf-8"))
+    except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError, and integers past Python's digit limit
+        raise BundleError(f"{manifest_path}: not valid JSON ({str(e)[:120]})") from None
+    except RecursionError:
+        raise BundleError(f"{manifest_path}: not a manifest (JSON nested too deeply)") from None
     return Manifest.from_dict(raw, str(manifest_path))
 
 

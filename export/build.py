@@ -8,6 +8,7 @@ recognises by its manifest's format field, never the folder it runs in or one ab
 from __future__ import annotations
 
 import copy
+import glob
 import json
 import os
 import shutil
@@ -39,7 +40,7 @@ VERSION = "0.1.0"
 DRAFT_DEFAULTS = {"attention": "fused", "quant_scheme": "exact"}
 
 
-WORK_MARK = ".specdeploy-export"  # in a work folder: the pid of the export writing it
+WORK_PREFIX = ".{name}.export-{pid}-"  # a work folder's name: the pid of the export writing it, beside `out`
 
 
 def check_out(out: Path, ours: Callable[[Path], bool] | None = None, what: str = "a specdeploy bundle") -> None:
@@ -80,12 +81,10 @@ def atomic_folder(out: Path, log: Callable[[str], None] = lambda m: None):
     (SIGKILL) left behind are removed by the next export to the same place."""
     out.parent.mkdir(parents=True, exist_ok=True)
     _remove_abandoned(out, log)
-    work = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    (work / WORK_MARK).write_text(str(os.getpid()))
+    work = Path(tempfile.mkdtemp(prefix=WORK_PREFIX.format(name=out.name, pid=os.getpid()), dir=out.parent))
     try:
         with _terminate_as_exception():
             yield work
-            (work / WORK_MARK).unlink()
             if out.exists():  # the old bundle moves aside first: a failure here loses neither
                 old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old.", dir=out.parent))
                 out.rename(old / "bundle")
@@ -121,12 +120,12 @@ def _terminate_as_exception():
 
 
 def _remove_abandoned(out: Path, log: Callable[[str], None]) -> None:
-    for folder in out.parent.glob(f".{out.name}.*"):
-        mark = folder / WORK_MARK
-        try:
-            pid = int(mark.read_text())
-        except (OSError, ValueError):
+    prefix = WORK_PREFIX.format(name=out.name, pid="")[:-1]  # up to the pid
+    for folder in out.parent.glob(f"{glob.escape(prefix)}*"):
+        pid, _, rest = folder.name[len(prefix):].partition("-")
+        if not (folder.is_dir() and pid.isdigit() and len(rest) == 8):  # mkdtemp's 8 characters
             continue  # not a work folder of ours: never touched
+        pid = int(pid)
         if pid == os.getpid() or _alive(pid):
             continue
         shutil.rmtree(folder, ignore_errors=True)

@@ -14,7 +14,7 @@ from click.testing import CliRunner
 from specdeploy.cli import main
 from specdeploy.core.errors import ExportError
 from specdeploy.export import build_bundle
-from specdeploy.export.build import WORK_MARK, atomic_folder, check_out, is_bundle
+from specdeploy.export.build import atomic_folder, check_out, is_bundle
 
 
 def user_folder(path):
@@ -85,16 +85,17 @@ def test_a_failure_inside_removes_the_work_folder_and_keeps_the_old_bundle(tmp_p
 def test_a_killed_exports_work_folder_goes_at_the_next_export_and_nothing_else(tmp_path):
     out = tmp_path / "b"
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    abandoned = tmp_path / ".b.abc123"
+    abandoned = tmp_path / f".b.export-{dead.stdout.strip()}-abcd1234"
     abandoned.mkdir()
-    (abandoned / WORK_MARK).write_text(dead.stdout.strip())
     (abandoned / "target.onnx").write_bytes(b"\0" * 1000)
-    unrelated = tmp_path / ".b.notes"  # no mark: not ours
+    unrelated = tmp_path / ".b.notes"  # not a name export gives its work folders
     unrelated.mkdir()
+    alive = tmp_path / f".b.export-{os.getpid()}-abcd1234"  # an export still running (here: this process)
+    alive.mkdir()
     seen = []
     with atomic_folder(out, seen.append) as work:
         (work / "manifest.json").write_text("{}")
-    assert not abandoned.exists() and unrelated.is_dir() and (out / "manifest.json").is_file()
+    assert not abandoned.exists() and unrelated.is_dir() and alive.is_dir() and (out / "manifest.json").is_file()
     assert seen == [f"removed {abandoned}: the work folder of an export that was killed"]
 
 
