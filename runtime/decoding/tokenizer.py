@@ -2,194 +2,40 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import secrets
 import sys
 import threading
-import time
+from contextlib import contextmanager
 from pathlib import Path
 
 from tokenizers import Tokenizer as HFTokenizer
 
+from specdeploy.core.chat_template import render as render_template
 from specdeploy.core.errors import BundleError, InputError
 from specdeploy.core.manifest import TokenizerEntry
 
-# Bounds on rendering a chat template (a bundle's template is code: a tampered one must not
-# hang the CLI or the server's event loop, nor allocate without limit).
-TEMPLATE_SECONDS = 1.0  # wall time for one render; the SmolLM2 template renders in well under 1 ms
-TEMPLATE_MAX_RANGE = 10_000  # jinja2's sandbox allows range() up to 100 000 items
-TEMPLATE_BASE_CHARS = 1 << 20  # any string the template builds, or its output, is at most this
-# plus twice the characters of the messages it was given
+
+def _library_failure(e: BaseException, path) -> BundleError:
+    """The tokenizers library's own failure (an exception, or a Rust panic, which Python sees as
+    a BaseException) as the one-line error of the bundle file that caused it."""
+    first = (str(e).splitlines() or [""])[0][:200]
+    return BundleError(f"{path}: the tokenizer failed ({type(e).__name__}: {first}); re-export the bundle")
 
 
-class _TemplateLimit(Exception):
-    """A render went past a bound; turned into a one-line InputError."""
-
-
-class _Budget(threading.local):
-    deadline: float | None = None
-    chars: int = TEMPLATE_BASE_CHARS
-
-
-_budget = _Budget()
-_PERCENT_FIELD = re.compile(r"%[#0\- +]*(\d*)(?:\.(\d*))?")
-_BRACE_FIELD = re.compile(r"\{[^{}]*\}")
-
-
-def _check_len(n: int) -> None:
-    if n > _budget.chars:
-        raise _TemplateLimit(f"it built a string or list of {n} items (the bound is {_budget.chars})")
-
-
-def _check_format(fmt, args) -> None:
-    """A %- or {}-format whose field widths could allocate past the bound."""
-    if isinstance(fmt, str):
-        fields = [m.group(0) for m in _PERCENT_FIELD.finditer(fmt)] + _BRACE_FIELD.findall(fmt)
-        for digits in (d for f in fields for d in re.findall(r"\d+", f)):
-            if len(digits) > 12 or int(digits) > _budget.chars:
-                raise _TemplateLimit(f"a format field width {digits[:20]} is past the bound ({_budget.chars})")
-    if not (isinstance(fmt, str) and ("*" in fmt or re.search(r"\{[^{}]*\{", fmt))):
-        return  # widths come only from the format string itself
-    for a in args if isinstance(args, (tuple, list)) else (args,):
-        if isinstance(a, int) and not isinstance(a, bool) and abs(a) > _budget.chars:
-            raise _TemplateLimit(f"a format argument {a} is past the bound ({_budget.chars})")
-
-
-def _check_call(obj, args, kwargs) -> None:
-    """String methods that can allocate far more than their input, checked before they run."""
-    obj = getattr(obj, "__wrapped__", obj)  # the sandbox wraps str.format / format_map
-    owner, name = getattr(obj, "__self__", None), getattr(obj, "__name__", "")
-    if not isinstance(owner, str):
-        return
-    if name in ("center", "ljust", "rjust", "zfill", "expandtabs"):
-        for a in list(args) + list(kwargs.values()):
-            if isinstance(a, int):
-                _check_len(a if name != "expandtabs" else a * max(1, owner.count("\t")) + len(owner))
-    elif name == "replace" and len(args) >= 2 and isinstance(args[0], str) and isinstance(args[1], str):
-        count = owner.count(args[0]) if args[0] else len(owner) + 1
-        _check_len(len(owner) + count * max(0, len(args[1]) - len(args[0])))
-    elif name in ("format", "format_map"):
-        _check_format(owner, list(args) + list(kwargs.values()))
-
-
-def _check_binop(op: str, left, right) -> None:
-    seq = (str, bytes, list, tuple)
-    if op == "*":
-        if isinstance(left, seq) and isinstance(right, int):
-            _check_len(len(left) * right)
-        elif isinstance(right, seq) and isinstance(left, int):
-            _check_len(len(right) * left)
-        elif isinstance(left, int) and isinstance(right, int) and left.bit_length() + right.bit_length() > 4096:
-            raise _TemplateLimit("it multiplied integers past 4096 bits")
-    elif op == "**":
-        if isinstance(left, int) and isinstance(right, int) and abs(left) > 1 and right * left.bit_length() > 4096:
-            raise _TemplateLimit("it raised an integer to a power past 4096 bits")
-    elif op == "+":
-        if isinstance(left, seq) and isinstance(right, seq):
-            _check_len(len(left) + len(right))
-    elif op == "%" and isinstance(left, str):
-        _check_format(left, right)
-
-
-def _trace_template(frame, event, arg):
-    """sys.settrace hook for the rendering thread: every line of template code checks the clock."""
-    if _budget.deadline is not None and time.monotonic() > _budget.deadline:
-        raise _TemplateLimit(f"it ran past {TEMPLATE_SECONDS:g} s")
-    return _trace_template if frame.f_code.co_filename == "<template>" else None
-
-
-def _sandbox():
-    from jinja2.compiler import CodeGenerator
-    from jinja2.sandbox import ImmutableSandboxedEnvironment, SecurityError
-
-    class _Generator(CodeGenerator):
-        def visit_Concat(self, node, frame):  # `a ~ b`: its result is checked too
-            self.write("environment.checked_len(")
-            super().visit_Concat(node, frame)
-            self.write(")")
-
-    class ChatSandbox(ImmutableSandboxedEnvironment):
-        code_generator_class = _Generator
-        intercepted_binops = frozenset({"*", "**", "+", "%"})
-
-        def call_binop(self, context, operator, left, right):
-            _check_binop(operator, left, right)
-            return super().call_binop(context, operator, left, right)
-
-        def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 (jinja2's own signature)
-            _check_call(__obj, args, kwargs)
-            return super().call(__context, __obj, *args, **kwargs)
-
-        @staticmethod
-        def checked_len(s):
-            _check_len(len(s))
-            return s
-
-    env = ChatSandbox(trim_blocks=True, lstrip_blocks=True)
-
-    def capped_range(*args):
-        rng = range(*args)
-        if len(rng) > TEMPLATE_MAX_RANGE:
-            raise SecurityError(f"range() of {len(rng)} items is past the bound ({TEMPLATE_MAX_RANGE})")
-        return rng
-
-    def raise_exception(message):
-        raise InputError(f"chat template: {message}")
-
-    env.globals.pop("lipsum", None)
-    env.globals["range"] = capped_range
-    env.globals["raise_exception"] = raise_exception
-    base = env.filters
-    for name in ("center", "indent"):
-        def wide(s, *args, _f=base[name], **kwargs):
-            width = args[0] if args else kwargs.get("width", 0)
-            size = len(width) if isinstance(width, str) else width if isinstance(width, int) else 0
-            _check_len(size * (1 + str(s).count("\n")) + len(str(s)))
-            return _f(s, *args, **kwargs)
-
-        env.filters[name] = wide
-
-    def replace(eval_ctx, s, old, new, count=None, _f=base["replace"]):
-        if isinstance(s, str) and isinstance(old, str) and isinstance(new, str):
-            n = s.count(old) if old else len(s) + 1
-            _check_len(len(s) + n * max(0, len(new) - len(old)))
-        return _f(eval_ctx, s, old, new, count)
-
-    replace.jinja_pass_arg = base["replace"].jinja_pass_arg
-    env.filters["replace"] = replace
-
-    def format_(value, *args, _f=base["format"], **kwargs):
-        _check_format(value, list(args) + list(kwargs.values()))
-        return _f(value, *args, **kwargs)
-
-    env.filters["format"] = format_
-    return env
-
-
-def _render(template, context: dict, input_chars: int) -> str:
-    """Render with a wall-time bound and a bound on every string built and on the output."""
-    from jinja2 import TemplateError
-
-    _budget.chars = TEMPLATE_BASE_CHARS + 2 * input_chars
-    _budget.deadline = time.monotonic() + TEMPLATE_SECONDS
-    previous = sys.gettrace()
-    sys.settrace(_trace_template)
+@contextmanager
+def _quiet_stderr():
+    """File descriptor 2 to /dev/null for a moment: what a Rust panic writes goes there."""
+    sys.stderr.flush()
+    saved = os.dup(2)
     try:
-        out, n = [], 0
-        for piece in template.generate(**context):
-            n += len(piece)
-            if n > _budget.chars:
-                raise _TemplateLimit(f"its output passed {_budget.chars} characters")
-            out.append(piece)
-        return "".join(out)
-    except _TemplateLimit as e:
-        raise InputError(f"chat template: stopped rendering, {e}; the bundle's template may be tampered with") from None
-    except (TemplateError, MemoryError, RecursionError, OverflowError, ValueError, TypeError) as e:
-        first = (str(e).splitlines() or [type(e).__name__])[0]
-        raise InputError(f"chat template: cannot render ({type(e).__name__}: {first[:200]})") from None
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 2)
+        yield
     finally:
-        sys.settrace(previous)
-        _budget.deadline = None
+        os.dup2(saved, 2)
+        os.close(saved)
 
 
 def _no_first_prefix(tok: HFTokenizer) -> HFTokenizer:
@@ -231,12 +77,21 @@ def check_text(text, what: str) -> str:
 
 class Tokenizer:
     def __init__(self, path: Path, spec: TokenizerEntry):
-        self._tok = HFTokenizer.from_file(str(path))
+        self.path = path
+        try:  # a file that is not a tokenizer, or whose rules make the library panic, fails here
+            self._tok = HFTokenizer.from_file(str(path))
+            with _quiet_stderr():  # a panic's own report (and backtrace) would precede our one line
+                self._tok.decode(self._tok.encode("Check 0123 \u00e4\u00df \u4e2d \U0001f600 <|x|>\n").ids)
+        except Exception as e:
+            raise _library_failure(e, path) from None
+        except BaseException as e:  # pyo3's PanicException is not an Exception
+            if isinstance(e, (KeyboardInterrupt, SystemExit, GeneratorExit)):
+                raise
+            raise _library_failure(e, path) from None
         self.eos_token_ids: list[int] = list(spec.eos_token_ids)
         self.bos_token: str | None = spec.bos_token
         self.eos_token: str | None = spec.eos_token
         self.chat_template: str | None = spec.chat_template
-        self._template = None
         # special tokens (id -> text); message text holding these stays text unless the operator allows it
         self.special_tokens: dict[int, str] = {
             i: t.content for i, t in self._tok.get_added_tokens_decoder().items() if t.special
@@ -249,23 +104,20 @@ class Tokenizer:
         return max(map(len, self._tok.get_vocab(with_added_tokens=True)), default=0)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        try:
+            return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        except BaseException as e:  # a panic on this text (see __init__)
+            if isinstance(e, (KeyboardInterrupt, SystemExit, GeneratorExit, MemoryError)):
+                raise
+            raise _library_failure(e, self.path) from None
 
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
-        return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
-
-    def _compiled(self):
-        if not self.chat_template:
-            raise InputError("this bundle's tokenizer has no chat template; pass the prompt without --chat")
-        if self._template is None:
-            from jinja2 import TemplateError
-
-            try:
-                self._template = _sandbox().from_string(self.chat_template)
-            except TemplateError as e:
-                first = (str(e).splitlines() or [type(e).__name__])[0]
-                raise BundleError(f"chat template: not a valid Jinja template ({first[:200]})") from None
-        return self._template
+        try:
+            return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+        except BaseException as e:
+            if isinstance(e, (KeyboardInterrupt, SystemExit, GeneratorExit, MemoryError)):
+                raise
+            raise _library_failure(e, self.path) from None
 
     def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
         return self._render(messages, add_generation_prompt)
@@ -278,7 +130,9 @@ class Tokenizer:
             bos_token=self.bos_token or "",
             eos_token=self.eos_token or "",
         )
-        return _render(self._compiled(), context, chars)
+        if not self.chat_template:
+            raise InputError("this bundle's tokenizer has no chat template; pass the prompt without --chat")
+        return render_template(self.chat_template, context, chars)
 
     def _has_special(self, text: str) -> bool:
         return any(s in text for s in self.special_tokens.values())
