@@ -40,6 +40,7 @@ from specdeploy.runtime import Session
 from specdeploy.runtime.backends.ort import share_cpu_threads
 from specdeploy.runtime.tools.bench import read_prompts
 from specdeploy.runtime.decoding.policy import DraftLength
+from specdeploy.runtime.decoding.stats import Round
 from specdeploy.runtime.decoding.sampling import SamplingParams
 
 try:
@@ -72,7 +73,7 @@ def trace(session: Session, ids: np.ndarray, max_new_tokens: int) -> tuple[np.nd
     held = np.zeros(len(out), dtype=np.int64)
     for p in range(1, len(out)):  # a round starts once t_1..t_p are committed
         context = np.concatenate([ids, out[:p]])
-        chain, _ = drafter.propose(context, min(k, len(out) - p), greedy, rng)
+        chain = drafter.propose(context, min(k, len(out) - p), greedy, rng).tokens
         match = chain == out[p : p + len(chain)]
         held[p] = len(chain) if match.all() else int(match.argmin())
     return out, held
@@ -144,7 +145,7 @@ def replay(held: np.ndarray, cost: Costs, policy: DraftLength | int, noise: floa
         if k == 0:
             seconds += cost.plain
             if not isinstance(policy, int):
-                policy.update(0, 0, 0.0, cost.plain * jitter())
+                policy.update(Round(0, 0, cost.plain * jitter()))
             p, passes, unseen = p + 1, passes + 1, unseen + 1
             continue
         accepted = min(k, int(held[p]))
@@ -153,8 +154,8 @@ def replay(held: np.ndarray, cost: Costs, policy: DraftLength | int, noise: floa
         seconds += spent_draft + cost.verify[k]
         if not isinstance(policy, int):
             j = jitter()
-            policy.update(k, accepted, spent_draft * j, cost.verify[k] * jitter(), caught_up=unseen, draft_passes=k,
-                          first_seconds=first * j)
+            policy.update(Round(k, accepted, cost.verify[k] * jitter(), spent_draft * j, draft_passes=k, caught_up=unseen,
+                                first_seconds=first * j))
         passes += 1
         # next round the draft feeds what it has not seen: the bonus token, and the last draft
         # token when every one held (the chain fed all but its last)

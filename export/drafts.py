@@ -3,7 +3,8 @@
 A recipe parses its own spelling (`parse`), checks and loads what it needs against the
 target (`prepare`), exports its graph if it has one (`export`) and says what the manifest
 records (`entry`). `parse_draft` asks each registered recipe in turn; adding a draft kind
-is adding a class here and a line to `RECIPES` (and a drafter on the runtime side).
+is adding it to core.manifest's DRAFT_KINDS, a class here and a line to `RECIPES` (and a
+drafter on the runtime side).
 
     >>> parse_draft("self:layers=4")
     SelfDraft(layers=4, dtype=None)
@@ -19,7 +20,7 @@ from pathlib import Path
 from typing import Callable, Protocol
 
 from specdeploy.core.errors import ExportError
-from specdeploy.core.manifest import DraftEntry, ModelSpec
+from specdeploy.core.manifest import DraftEntry, ModelSpec, one_class_per_draft_kind
 
 from .load import Source, load_source, same_tokenizer
 
@@ -175,6 +176,7 @@ class ModelDraft:
 
 
 RECIPES: tuple[type, ...] = (NoDraft, NgramDraft, SuffixDraft, SelfDraft, ModelDraft)  # asked in order; a path last
+one_class_per_draft_kind(RECIPES, "export's draft recipes")  # one recipe per kind of DRAFT_KINDS
 
 
 def parse_draft(text: str | None) -> DraftRecipe:

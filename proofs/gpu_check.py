@@ -126,7 +126,7 @@ from specdeploy.runtime.backends.torch_engine import TorchEngine  # noqa: E402
 from specdeploy.core.analytic import acceptance_estimate, predicted_speedup, tokens_per_pass  # noqa: E402
 from specdeploy.core.manifest import ModelSpec  # noqa: E402
 from specdeploy.runtime.decoding.drafters import ModelDrafter  # noqa: E402
-from specdeploy.runtime.decoding.loop import decode  # noqa: E402
+from specdeploy.runtime.decoding.loop import DecodeSettings, decode  # noqa: E402
 from specdeploy.runtime.decoding.policy import DraftLength  # noqa: E402
 from specdeploy.runtime.decoding.stats import Stats  # noqa: E402
 from specdeploy.runtime.decoding.sampling import SamplingParams  # noqa: E402
@@ -441,10 +441,9 @@ def generate(target, drafter, prompt, new_tokens: int, k: int, params: SamplingP
     if drafter is not None:
         drafter.min_confidence = 0.0
     rounds, tokens = [], []
-    extra = {"cache": cache} if cache is not None else {}
+    settings = DecodeSettings(new_tokens, (), PREFILL_CHUNK, params or SamplingParams(), lengths, cache=cache)
     t0 = time.perf_counter()
-    for new in decode(target, drafter if k else None, prompt, new_tokens, lengths, [], PREFILL_CHUNK,
-                      params or SamplingParams(), stats, **extra):
+    for new in decode(target, drafter if k else None, prompt, settings, stats):
         tokens += new.tolist()
         rounds.append((stats.last_proposed, stats.last_accepted))
         if marks is not None:

@@ -154,13 +154,14 @@ def _parity(bundle, role, args) -> dict:
 
 
 def _decode(target, drafter, ids, k, args, bundle, stats=None):
-    from specdeploy.runtime.decoding.loop import decode
+    from specdeploy.runtime.decoding.loop import DecodeSettings, decode
     from specdeploy.runtime.decoding.policy import DraftLength
     from specdeploy.runtime.decoding.sampling import SamplingParams
     from specdeploy.runtime.decoding.stats import Stats
 
-    out = decode(target, drafter, ids, args.max_new_tokens, DraftLength(bundle.max_draft, fixed=k), [],
-                 bundle.prefill_chunk, SamplingParams(), Stats() if stats is None else stats)
+    settings = DecodeSettings(args.max_new_tokens, (), bundle.prefill_chunk, SamplingParams(),
+                              DraftLength(bundle.max_draft, fixed=k))
+    out = decode(target, drafter, ids, settings, Stats() if stats is None else stats)
     return np.concatenate(list(out))
 
 

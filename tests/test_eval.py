@@ -8,7 +8,7 @@ import pytest
 from click.testing import CliRunner
 
 from specdeploy.runtime import Session
-from specdeploy.runtime.decoding import loop as loop_module
+from specdeploy.runtime.decoding import accept as accept_module
 from specdeploy.runtime.tools.evaluate import _chi2_sf, evaluate
 from specdeploy.cli import main
 from test_sampling import _broken_skips_residual
@@ -41,7 +41,7 @@ def _wrong_accept(draft_tokens, target_tokens):
 
 
 def test_eval_reports_a_wrong_accept(bundles, monkeypatch):
-    monkeypatch.setattr(loop_module, "accept_greedy", _wrong_accept)
+    monkeypatch.setattr(accept_module, "accept_greedy", _wrong_accept)
     report = evaluate(Session(bundles("llama-model")), PROMPTS[:4], max_new_tokens=24, samples=0)
     assert not report["contract_holds"]
     bad = [r for r in report["greedy"]["rows"] if not r["match"]]
@@ -50,7 +50,7 @@ def test_eval_reports_a_wrong_accept(bundles, monkeypatch):
 
 
 def test_eval_exits_nonzero_when_broken(bundles, tmp_path, monkeypatch):
-    monkeypatch.setattr(loop_module, "accept_greedy", _wrong_accept)
+    monkeypatch.setattr(accept_module, "accept_greedy", _wrong_accept)
     prompts = tmp_path / "p.txt"
     prompts.write_text(PROMPTS[0])
     result = CliRunner().invoke(main, ["eval", str(bundles("llama-model")), "--prompts", str(prompts), "--samples", "0"])
@@ -126,7 +126,7 @@ def _broken_accepts_with_p(draft_tokens, draft_probs, target_probs, rng):
 def test_a_broken_sampler_fails_the_gate(bundles, tmp_path, monkeypatch, name, broken):
     """The old check passed all of these (at 150 samples): at the prompt's end the first
     token's distribution moved too little to see, or (n-gram) nothing was drafted."""
-    monkeypatch.setattr(loop_module, "verify_sampled", broken)
+    monkeypatch.setattr(accept_module, "accept_sampled", broken)
     result, report = _eval(bundles(name), tmp_path)
     assert result.exit_code == 3, result.output
     assert "contract BROKEN" in result.stdout

@@ -52,7 +52,7 @@ def test_the_suffix_drafter_never_beats_the_bound_of_its_context():
     texts: the bound is tight where the index keeps every occurrence. (The bound without a
     context, c = 0, is reached on none: a loose bound fails the second assertion.)"""
     from specdeploy.runtime.decoding.drafters import SuffixDrafter
-    from specdeploy.runtime.decoding.tree import accept_tree
+    from specdeploy.runtime.decoding.accept import accept_tree
 
     rng = np.random.default_rng(1)
     reached = 0

@@ -6,6 +6,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from specdeploy.runtime import Session
+from specdeploy.runtime.decoding.drafters import Proposal
 from tiny import PROMPTS
 
 NEW_TOKENS = 40
@@ -77,7 +78,7 @@ def test_mistral_sliding_window_is_exercised(bundles, models):
     seq = np.array(ids + plain.token_ids)
 
     class Oracle:
-        engine, cost_ratio, passes, seconds, caught_up, first_seconds = None, 0.1, 0, 0.0, 0, 0.0
+        engine, cost_ratio = None, 0.1
 
         def reset(self):
             pass
@@ -86,7 +87,7 @@ def test_mistral_sliding_window_is_exercised(bundles, models):
             return False
 
         def propose(self, prefix, k, params, rng, min_confidence=0.0):
-            return seq[prefix.shape[0] : prefix.shape[0] + k].copy(), None
+            return Proposal(seq[prefix.shape[0] : prefix.shape[0] + k].copy())
 
     session.drafter = Oracle()
     oracle = session.generate(prompt_ids=ids, max_new_tokens=n_new, draft_len=8)

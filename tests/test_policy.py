@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from specdeploy.runtime.decoding.policy import DraftLength, PassCost, Probes, TreeSize
+from specdeploy.runtime.decoding.stats import Round
 
 
 class World:
@@ -42,7 +43,7 @@ class World:
             k = policy.choose()
             if k == 0:
                 verify = self.jitter(self.verify(1)) * (self.cold if r < 2 else 1.0)
-                policy.update(0, 0, 0.0, verify)
+                policy.update(Round(0, 0, verify))
                 got, spent = 1, verify
             else:
                 held = 0
@@ -51,7 +52,7 @@ class World:
                 first = self.jitter(self.first)
                 draft = first + sum(self.jitter(self.step) for _ in range(k - 1))
                 verify = self.jitter(self.verify(k + 1))
-                policy.update(k, held, draft, verify, caught_up=2, draft_passes=k, first_seconds=first)
+                policy.update(Round(k, held, verify, draft, draft_passes=k, caught_up=2, first_seconds=first))
                 got, spent = held + 1, draft + verify
             if r >= 30:
                 tokens, seconds = tokens + got, seconds + spent
@@ -121,9 +122,9 @@ def test_a_draft_measured_only_in_one_token_rounds_still_prices_its_steps():
     """Rounds of one draft token time only the first pass (T = 2); the step (T = 1) follows
     from the fit, so a policy that settled on k = 1 can still find that longer rounds pay."""
     policy = DraftLength(8, cost_ratio=0.9)
-    policy.update(0, 0, 0.0, 0.020)
+    policy.update(Round(0, 0, 0.020))
     for _ in range(20):
-        policy.update(1, 1, 0.006, 0.021, caught_up=2, draft_passes=1, first_seconds=0.006)
+        policy.update(Round(1, 1, 0.021, 0.006, draft_passes=1, caught_up=2, first_seconds=0.006))
     assert policy.draft.seconds(1) == pytest.approx(0.006 / (1 + 0.2), rel=0.02)
     assert policy.choose() >= 3
 
@@ -131,11 +132,12 @@ def test_a_draft_measured_only_in_one_token_rounds_still_prices_its_steps():
 def test_catch_up_passes_longer_than_a_round_do_not_price_the_draft():
     """After the prompt, a draft's first pass feeds every prompt token: not a step's cost."""
     policy = DraftLength(8, cost_ratio=0.4)
-    policy.update(1, 1, draft_seconds=0.300, verify_seconds=0.022, caught_up=120, draft_passes=1, first_seconds=0.300)
+    policy.update(Round(1, 1, draft_seconds=0.300, verify_seconds=0.022, caught_up=120, draft_passes=1,
+                        first_seconds=0.300))
     assert not policy.draft.measured
     for _ in range(10):  # steady rounds: a 15 ms first pass (T = 2), then two 9 ms steps
-        policy.update(3, 3, draft_seconds=0.033, verify_seconds=0.024, caught_up=2, draft_passes=3,
-                      first_seconds=0.015)
+        policy.update(Round(3, 3, draft_seconds=0.033, verify_seconds=0.024, caught_up=2, draft_passes=3,
+                            first_seconds=0.015))
     assert policy.draft.seconds([1, 2]) == pytest.approx([0.009, 0.015], rel=0.1)
 
 
@@ -147,7 +149,7 @@ def test_auto_draft_length_follows_acceptance_and_cost_unmeasured():
             k = policy.choose()
             chosen.append(k)
             if k:
-                policy.update(k, k if accept_all else 0, draft_seconds=0.0, verify_seconds=0.0)
+                policy.update(Round(k, k if accept_all else 0, draft_seconds=0.0, verify_seconds=0.0))
         return chosen
 
     assert rounds(DraftLength(8, cost_ratio=0.05, measure=False), 10, True)[-1] == 8
@@ -164,9 +166,9 @@ def _never_holds(policy, rounds):
         k = policy.choose()
         chosen.append(k)
         if k:
-            policy.update(k, 0, 0.005 * k, 0.021 + 0.001 * k, caught_up=2, draft_passes=k, first_seconds=0.005)
+            policy.update(Round(k, 0, 0.021 + 0.001 * k, 0.005 * k, draft_passes=k, caught_up=2, first_seconds=0.005))
         else:
-            policy.update(0, 0, 0.0, 0.020)
+            policy.update(Round(0, 0, 0.020))
     return chosen
 
 
@@ -210,7 +212,8 @@ def _chain_rounds(policy, rounds, holds, found=8, slope=0.002):
     for _ in range(rounds):
         n = policy.choose(None, found)
         chosen.append(n)
-        policy.update(None, n, list(range(min(n, holds))), 0.020 + slope * n, 0.0001)
+        path = tuple(range(min(n, holds)))
+        policy.update(Round(n, len(path), 0.020 + slope * n, 0.0001, path=path))
     return chosen
 
 
@@ -250,7 +253,8 @@ def test_the_ngram_index_finds_what_a_scan_of_the_text_finds():
         for _ in range(60):
             text = rng.integers(0, 5, rng.integers(2, 60))
             for n in range(2, text.shape[0] + 1):
-                got, probs = drafter.propose(text[:n], 4, None, None)
+                proposal = drafter.propose(text[:n], 4, None, None)
+                got, probs = proposal.tokens, proposal.probs
                 assert probs is None and np.array_equal(got, lookup(text[:n], 4, max_n, min_n)), text[:n]
 
 

@@ -6,8 +6,9 @@ import pytest
 from scipy import stats as scipy_stats
 
 from specdeploy.runtime import InputError, Session
-from specdeploy.runtime.decoding import loop as loop_module
-from specdeploy.runtime.decoding.sampling import SamplingParams, verify_greedy, verify_sampled, warp
+from specdeploy.runtime.decoding import accept as accept_module
+from specdeploy.runtime.decoding.accept import accept_greedy, accept_sampled
+from specdeploy.runtime.decoding.sampling import SamplingParams, warp
 from specdeploy.runtime.decoding.stops import StopMatcher
 from tiny import PROMPTS
 
@@ -36,7 +37,7 @@ class Draws:
 def test_forced_accept_all_then_bonus():
     target = warp(onehot_logits([1, 2, 3, 4]), T1)  # [k+1, V]
     draft = warp(onehot_logits([1, 2, 3]), T1)
-    n, token = verify_sampled(np.array([1, 2, 3]), draft, target, Draws(0.99, 0.99, 0.99, 0.5))
+    n, token = accept_sampled(np.array([1, 2, 3]), draft, target, Draws(0.99, 0.99, 0.99, 0.5))
     assert (n, token) == (3, 4)
 
 
@@ -44,14 +45,14 @@ def test_forced_reject_first_samples_the_residual():
     target = warp(np.array([[0.0, 0.0, -INF, -INF], [0.0, -INF, -INF, -INF]]), T1)  # p0 = {0: .5, 1: .5}
     draft = warp(np.array([[-INF, 0.0, 0.0, -INF]]), T1)  # q0 = {1: .5, 2: .5}
     # draft proposed 2: p(2) = 0, rejected whatever the draw; residual max(0, p - q) = {0: .5} -> 0
-    n, token = verify_sampled(np.array([2]), draft, target, Draws(0.0, 0.7))
+    n, token = accept_sampled(np.array([2]), draft, target, Draws(0.0, 0.7))
     assert (n, token) == (0, 0)
 
 
 def test_forced_reject_in_the_middle():
     target = warp(onehot_logits([1, 2, 5, 0]), T1)
     draft = warp(onehot_logits([1, 2, 3]), T1)
-    n, token = verify_sampled(np.array([1, 2, 3]), draft, target, Draws(0.5, 0.5, 0.5, 0.5))
+    n, token = accept_sampled(np.array([1, 2, 3]), draft, target, Draws(0.5, 0.5, 0.5, 0.5))
     assert (n, token) == (2, 5)
 
 
@@ -59,7 +60,7 @@ def test_forced_point_mass_draft():
     # n-gram drafts have no probabilities: q is a point mass. Accept 4 (p=1), reject 3 (p=0):
     # the residual is p with the drafted token removed.
     target = warp(np.array([[-INF] * 4 + [0.0, -INF], [0.0, -INF, -INF, 0.0, -INF, -INF]]), T1)
-    n, token = verify_sampled(np.array([4, 3]), None, target, Draws(0.3, 0.999, 0.2))
+    n, token = accept_sampled(np.array([4, 3]), None, target, Draws(0.3, 0.999, 0.2))
     assert n == 1 and token == 0
 
 
@@ -67,14 +68,14 @@ def test_partial_acceptance_probability_is_p_over_q():
     target = warp(np.log(np.array([[0.2, 0.8], [0.5, 0.5]])), T1)
     draft = warp(np.log(np.array([[0.8, 0.2]])), T1)
     # accept token 0 with probability p/q = 0.25: a draw of 0.24 accepts, 0.26 rejects (-> residual {1})
-    assert verify_sampled(np.array([0]), draft, target, Draws(0.24, 0.1))[0] == 1
-    assert verify_sampled(np.array([0]), draft, target, Draws(0.26, 0.1)) == (0, 1)
+    assert accept_sampled(np.array([0]), draft, target, Draws(0.24, 0.1))[0] == 1
+    assert accept_sampled(np.array([0]), draft, target, Draws(0.26, 0.1)) == (0, 1)
 
 
 def test_greedy_verify():
     logits = onehot_logits([1, 2, 3])
-    assert verify_greedy(np.array([1, 2]), logits) == (2, 3)
-    assert verify_greedy(np.array([1, 0]), logits) == (1, 2)
+    assert accept_greedy(np.array([1, 2]), logits.argmax(axis=-1)) == (2, 3)
+    assert accept_greedy(np.array([1, 0]), logits.argmax(axis=-1)) == (1, 2)
 
 
 def test_warp_filters():
@@ -205,7 +206,7 @@ def test_the_distribution_test_catches_a_broken_sampler(small_vocab, kind, monke
     session, prompt = small_vocab[kind]
     params = SETTINGS[0]
     exact = exact_first_two(session, prompt, params)
-    monkeypatch.setattr(loop_module, "verify_sampled", _broken_skips_residual)
+    monkeypatch.setattr(accept_module, "accept_sampled", _broken_skips_residual)
     counts = sampled_first_two(session, prompt, params, SAMPLES)
     pvalue, _ = chi_square_pvalue(exact, counts, SAMPLES)
     assert pvalue < ALPHA, f"the broken sampler passed: p = {pvalue:.2e}"

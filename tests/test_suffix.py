@@ -100,25 +100,26 @@ def motif_text(rng, length, vocab=12, motifs=4, motif_len=5):
 
 def test_own_text_proposes_what_followed_the_latest_match():
     d = SuffixDrafter(max_ngram=3, min_ngram=1)
-    tokens, probs = d.propose(np.array([5, 6, 7, 8, 5, 6]), 2, GREEDY, np.random.default_rng(0))
+    proposal = d.propose(np.array([5, 6, 7, 8, 5, 6]), 2, GREEDY, np.random.default_rng(0))
+    tokens, probs = proposal.tokens, proposal.probs
     assert tokens.tolist() == [7, 8] and tokens.dtype == np.int64 and probs is None
     # the latest of two equally long matches comes first
     d.reset()
-    assert d.propose(np.array([1, 2, 3, 1, 2, 4, 1, 2]), 1, GREEDY, None)[0].tolist() == [4]
+    assert d.propose(np.array([1, 2, 3, 1, 2, 4, 1, 2]), 1, GREEDY, None).tokens.tolist() == [4]
 
 
 def test_the_longest_match_wins():
     # [2, 3] last continued with 8, but the longer [1, 2, 3] only ever with 9
     ids = np.array([1, 2, 3, 9, 4, 2, 3, 8, 0, 1, 2, 3])
     d = SuffixDrafter(max_ngram=3, min_ngram=1)
-    assert d.propose(ids, 1, GREEDY, None)[0].tolist() == [9]
-    assert SuffixDrafter(max_ngram=2, min_ngram=1).propose(ids, 1, GREEDY, None)[0].tolist() == [8]
+    assert d.propose(ids, 1, GREEDY, None).tokens.tolist() == [9]
+    assert SuffixDrafter(max_ngram=2, min_ngram=1).propose(ids, 1, GREEDY, None).tokens.tolist() == [8]
 
 
 def test_no_match_and_no_room_give_nothing():
     d = SuffixDrafter(max_ngram=3, min_ngram=2)
     assert d.propose_tree(np.array([1, 2, 3, 4, 5]), 8, 4).size == 0
-    assert d.propose(np.array([1, 2, 3, 4, 5]), 4, GREEDY, None)[0].shape == (0,)
+    assert d.propose(np.array([1, 2, 3, 4, 5]), 4, GREEDY, None).tokens.shape == (0,)
     assert d.propose_tree(np.array([1, 2, 1, 2]), 0, 4).size == 0
     assert d.propose_tree(np.array([1, 2, 1, 2]), 4, 0).size == 0
     assert d.propose_tree(np.array([7]), 4, 4).size == 0
@@ -175,7 +176,8 @@ def test_propose_is_the_trees_main_chain():
         ids = motif_text(rng, int(rng.integers(20, 200)), vocab=8)
         k = int(rng.integers(1, 9))
         tree = SuffixDrafter(max_ngram=4, min_ngram=2).propose_tree(ids, k, k)
-        tokens, probs = SuffixDrafter(max_ngram=4, min_ngram=2).propose(ids, k, GREEDY, None)
+        proposal = SuffixDrafter(max_ngram=4, min_ngram=2).propose(ids, k, GREEDY, None)
+        tokens, probs = proposal.tokens, proposal.probs
         assert tokens.tolist() == main_chain(tree).tolist() and probs is None
 
 
@@ -210,7 +212,7 @@ def test_incremental_indexing_equals_indexing_afresh_and_the_scan(seed):
 def test_a_missed_reset_with_a_shorter_text_reindexes():
     d = SuffixDrafter(max_ngram=3, min_ngram=1)
     d.propose_tree(np.array([1, 2, 3, 4, 1, 2, 3, 5, 1, 2]), 4, 4)
-    assert d.propose(np.array([1, 2, 9, 1, 2]), 1, GREEDY, None)[0].tolist() == [9]
+    assert d.propose(np.array([1, 2, 9, 1, 2]), 1, GREEDY, None).tokens.tolist() == [9]
 
 
 # ---- the shared index --------------------------------------------------------------------------
@@ -222,7 +224,7 @@ def test_a_later_request_draws_on_a_remembered_one():
     d.remember(first)
     d.reset()
     assert len(d.index) == 1 and d.index.tokens == 7
-    assert d.propose(np.array([1, 2, 12, 13]), 3, GREEDY, None)[0].tolist() == [14, 15, 16]
+    assert d.propose(np.array([1, 2, 12, 13]), 3, GREEDY, None).tokens.tolist() == [14, 15, 16]
     # the request's own text and the index together: one occurrence each, own first
     tree = SuffixDrafter(max_ngram=3, min_ngram=2, index=d.index).propose_tree(np.array([12, 13, 9, 12, 13]), 8, 1)
     assert tree.tokens.tolist() == [9, 14] and tree.probs.tolist() == [0.5, 0.5]
@@ -232,7 +234,7 @@ def test_a_longer_match_in_the_index_beats_the_own_text():
     index = SuffixIndex(max_ngram=4, min_ngram=2)
     index.add(np.array([1, 2, 3, 4, 50]))
     d = SuffixDrafter(max_ngram=4, min_ngram=2, index=index)
-    assert d.propose(np.array([3, 4, 60, 1, 2, 3, 4]), 1, GREEDY, None)[0].tolist() == [50]
+    assert d.propose(np.array([3, 4, 60, 1, 2, 3, 4]), 1, GREEDY, None).tokens.tolist() == [50]
 
 
 def test_a_private_request_neither_reads_nor_joins_the_index():
@@ -241,7 +243,7 @@ def test_a_private_request_neither_reads_nor_joins_the_index():
     private = d.fork()
     private.private = True
     assert private.propose_tree(np.array([5, 11, 12]), 4, 4).size == 0  # only in the index
-    assert private.propose(np.array([11, 12, 7, 11, 12]), 1, GREEDY, None)[0].tolist() == [7]  # own text still
+    assert private.propose(np.array([11, 12, 7, 11, 12]), 1, GREEDY, None).tokens.tolist() == [7]  # own text still
     private.remember(np.array([20, 21, 22, 23]))
     assert len(d.index) == 1 and d.propose_tree(np.array([20, 21]), 4, 4).size == 0
     private.reset()
@@ -255,7 +257,7 @@ def test_fork_shares_the_index_not_the_request():
     assert worker.index is d.index
     assert worker.propose_tree(np.array([8, 1, 2]), 4, 4).size == 0  # d's request is d's own
     worker.remember(np.array([30, 31, 32, 33]))
-    assert d.propose(np.array([31, 32]), 1, GREEDY, None)[0].tolist() == [33]
+    assert d.propose(np.array([31, 32]), 1, GREEDY, None).tokens.tolist() == [33]
 
 
 def index_entries(index):

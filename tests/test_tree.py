@@ -9,7 +9,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from specdeploy.runtime import InputError, Session
-from specdeploy.runtime.decoding import loop as loop_module
+from specdeploy.runtime.decoding import accept as accept_module
+from specdeploy.runtime.decoding.drafters import Proposal
 from specdeploy.runtime.decoding.tree import DraftTree
 from test_lossless import NEW_TOKENS, hf_greedy
 from test_sampling import ALPHA, SAMPLES, SETTINGS, VOCAB, chi_square_pvalue, exact_first_two
@@ -25,16 +26,12 @@ class OracleTrees:
     kind = "oracle"
     engine = None
     cost_ratio = 0.0
-    caught_up = 0
-    first_seconds = 0.0
     private = False
 
     def __init__(self, answers: dict[tuple, list[int]], vocab: int, seed: int = 0):
         self.answers = answers
         self.vocab = vocab
         self.rng = np.random.default_rng(seed)
-        self.passes = 0
-        self.seconds = 0.0
         self.trees = []
 
     def reset(self):
@@ -90,7 +87,7 @@ class OracleTrees:
         return tree
 
     def propose(self, ids, k, params, rng, min_confidence=0.0):
-        return self.propose_tree(ids, k, k).main_chain(), None
+        return Proposal(self.propose_tree(ids, k, k).main_chain())
 
 
 @pytest.fixture(scope="module")
@@ -164,7 +161,7 @@ def test_moved_kv_equals_a_fresh_prefill(llama):
     # decoys first, the truth as the second branch of the root and with a decoy sibling inside
     tree = DraftTree(np.array([3, 4, answer[0], 5, answer[1], answer[2]]), np.array([-1, 0, -1, 2, 2, 4]))
     rows = target.forward(np.concatenate([ids[-1:], tree.tokens]), n - 1, tree=tree.layout()).copy()
-    path, token = loop_module.accept_tree(tree, lambda r: rows[r].argmax())
+    path, token = accept_module.accept_tree(tree, lambda r: rows[r].argmax())
     assert path == [2, 4, 5] and token == answer[3]
     target.move_kv(n + np.array(path), n)
     after = target.forward(np.array([token]), n + 3).copy()
@@ -199,14 +196,10 @@ class TopTrees:
     kind = "top"
     engine = None
     cost_ratio = 0.0
-    caught_up = 0
-    first_seconds = 0.0
     private = False
 
     def __init__(self, target):
         self.target = target.fork()
-        self.passes = 0
-        self.seconds = 0.0
 
     def reset(self):
         pass
@@ -230,7 +223,7 @@ class TopTrees:
         return DraftTree(np.array(tokens), np.array(parents)).prune(budget)
 
     def propose(self, ids, k, params, rng, min_confidence=0.0):
-        return self.propose_tree(ids, k, k).main_chain(), None
+        return Proposal(self.propose_tree(ids, k, k).main_chain())
 
 
 def sampled_pairs(session, prompt, params, n):
@@ -285,7 +278,7 @@ def test_the_distribution_test_catches_a_tree_sampler_that_follows_the_first_chi
     session, prompt = small_tree
     params = SETTINGS[0]
     exact = exact_first_two(session, prompt, params)
-    monkeypatch.setattr(loop_module, "accept_tree", _first_child_always)
+    monkeypatch.setattr(accept_module, "accept_tree", _first_child_always)
     counts = sampled_pairs(session, prompt, params, SAMPLES)
     pvalue, _ = chi_square_pvalue(exact, counts, SAMPLES)
     assert pvalue < ALPHA, f"the broken sampler passed: p = {pvalue:.2e}"
@@ -375,6 +368,7 @@ def _tree_rounds(sizes, rounds, holds, probs, slope_seconds):
     """Feed the policy `rounds` tree rounds of a 16-node candidate scored `probs`, where the
     node of rank r is accepted when `holds(r)` and a pass of N nodes takes 1 + slope_seconds * N."""
     from specdeploy.runtime.decoding.policy import TreeSize
+    from specdeploy.runtime.decoding.stats import Round
 
     chosen = []
     rank = TreeSize.ranks(probs, probs.shape[0])
@@ -383,7 +377,7 @@ def _tree_rounds(sizes, rounds, holds, probs, slope_seconds):
         chosen.append(n)
         kept = np.sort(np.argsort(-probs, kind="stable")[:n])
         path = [i for i, node in enumerate(kept) if holds(rank[node])]
-        sizes.update(probs[kept] if n else None, n, path, 1.0 + slope_seconds * n, 0.0)
+        sizes.update(Round(n, len(path), 1.0 + slope_seconds * n, 0.0, path=tuple(path), scores=probs[kept] if n else None))
     return chosen
 
 

@@ -376,7 +376,7 @@ def _decoder(bundle_dir, modules):
     """(bundle, tokenizer, TRT target, ModelDrafter over the TRT draft, ORT target, run) where
     run(target, drafter, ids, k, params) -> (tokens, Stats); k an int or "auto"."""
     from specdeploy.runtime.decoding.drafters import ModelDrafter
-    from specdeploy.runtime.decoding.loop import decode
+    from specdeploy.runtime.decoding.loop import DecodeSettings, decode
     from specdeploy.runtime.decoding.policy import DraftLength
     from specdeploy.runtime.decoding.stats import Stats
     from specdeploy.runtime.decoding.sampling import SamplingParams
@@ -391,7 +391,7 @@ def _decoder(bundle_dir, modules):
     def run(engine, drafter, ids, k, params=SamplingParams()):
         length = DraftLength(bundle.max_draft, fixed=None if k == "auto" else k)
         stats = Stats()
-        out = decode(engine, drafter, ids, 24, length, [], bundle.prefill_chunk, params, stats)
+        out = decode(engine, drafter, ids, DecodeSettings(24, (), bundle.prefill_chunk, params, length), stats)
         return np.concatenate(list(out)), stats
 
     return bundle, tok, target, drafter, reference, run
@@ -420,7 +420,7 @@ def test_a_fused_round_gives_the_per_pass_tokens_with_one_sync_and_only_tokens_d
     run one by one: the same k draft tokens and k+1 target argmaxes; one synchronisation per
     round (plus one per leading chunk of a pending text longer than every profile); the draft
     never synchronises; only 2k+1 token ids come down, never logits."""
-    from specdeploy.runtime.decoding.sampling import accept_greedy
+    from specdeploy.runtime.decoding.accept import accept_greedy
 
     bundle_dir, modules = built
     cudart = modules[1]

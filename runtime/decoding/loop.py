@@ -4,22 +4,28 @@ Data flow: prompt ids -> prefill (chunks) -> rounds -> committed ids. The target
 cache always holds every committed token but the last, which opens the next pass: a
 verify pass feeds [last, d1..dk] at positions n-1..n-1+k and its k+1 logit rows judge
 d1..dk and give the token after them. Plain decoding is the same round with no draft.
+
+A generation runs under one `DecodeSettings`. A round takes the drafter's `Proposal`, judges
+it (accept.py) and leaves a `Round` record, which the policy that sized the round learns from
+and `Stats` adds up (docs/design.md, "The round").
 """
 from __future__ import annotations
 
 import math
 import time
+from dataclasses import dataclass
 
 import numpy as np
 
 from specdeploy.core.errors import BundleError
 
-from specdeploy.runtime.decoding.drafters import Drafter
+from specdeploy.runtime.decoding.accept import accept_chain, accept_path
+from specdeploy.runtime.decoding.drafters import Drafter, Proposal
 from specdeploy.runtime.decoding.engine import Checked, Engine
 from specdeploy.runtime.decoding.policy import DraftLength, TreeSize
-from specdeploy.runtime.decoding.sampling import SamplingParams, accept_greedy, sample, verify_sampled, warp
-from specdeploy.runtime.decoding.stats import Stats
-from specdeploy.runtime.decoding.tree import DraftTree, accept_tree
+from specdeploy.runtime.decoding.sampling import SamplingParams
+from specdeploy.runtime.decoding.stats import Round, Stats
+from specdeploy.runtime.decoding.tree import DraftTree
 
 
 def prefill(target: Engine, ids: np.ndarray, chunk: int, start: int = 0) -> None:
@@ -62,97 +68,179 @@ class PromptCache:
         self.runs = target.runs
 
 
+@dataclass(frozen=True)
+class DecodeSettings:
+    """What a generation runs under: its limits, how it samples, the policies that size its
+    rounds (`draft_len`; with `tree`, tree rounds of depth up to draft_len's maximum, or a
+    model-free drafter's chains looked up before their length is chosen) and the prompt cache
+    it may reuse and keeps up to date (None: every prompt is prefilled whole)."""
+
+    max_new_tokens: int
+    eos_token_ids: frozenset[int]  # a round's first EOS ends the generation (any iterable of ids)
+    prefill_chunk: int
+    params: SamplingParams
+    draft_len: DraftLength
+    tree: TreeSize | None = None
+    cache: PromptCache | None = None
+
+    def __post_init__(self):
+        object.__setattr__(self, "eos_token_ids", frozenset(int(t) for t in self.eos_token_ids))
+
+
+def decode(target: Engine, drafter: Drafter | None, prompt_ids: np.ndarray, settings: DecodeSettings, stats: Stats):
+    """Yield the committed tokens of each round until EOS or max_new_tokens.
+
+    The caller has checked that prompt + max_new_tokens fits the bundle's max sequence.
+    Host synchronisation: each engine pass returns its logits to the host once, so a round
+    is one for the verify pass plus one per draft step (the drafter picks each token on the
+    host), except a round over engines that chain the draft on the device (a model draft on
+    the torch backend, or greedy on TensorRT engines with the argmax output): one per round.
+    """
+    t_start = time.perf_counter()
+    s, cache = settings, settings.cache
+    rng = np.random.default_rng(s.params.seed)
+    ids = np.empty(prompt_ids.shape[0] + s.max_new_tokens, dtype=np.int64)  # allocated once
+    n = prompt_ids.shape[0]
+    ids[:n] = prompt_ids
+    stats.prompt_tokens = n
+    reuse = cache.reusable(target, ids[:n]) if cache is not None else 0
+    stats.cached_tokens = reuse
+    if drafter is not None and cache is None:
+        drafter.reset()  # else it keeps its own K/V: its rollback reuses what agrees with ids
+    prefill(target, ids[:n], s.prefill_chunk, start=reuse)
+    if cache is not None:
+        cache.hold(target, ids, n - 1)
+    stats.prefill_seconds = time.perf_counter() - t_start
+    end = n  # committed tokens: ids[:end]
+    try:
+        while end - n < s.max_new_tokens:
+            wanted = s.max_new_tokens - (end - n)  # never drafts past it: they would be thrown away
+            new = next_round(target, drafter, ids[:end], wanted - 1, s, rng, stats)[:wanted]
+            eos = next((i for i, token in enumerate(new.tolist()) if token in s.eos_token_ids), None)  # no numpy
+            if eos is not None:
+                new = new[: eos + 1]
+            ids[end : end + new.shape[0]] = new
+            end += new.shape[0]
+            if cache is not None:
+                cache.hold(target, ids, end - 1)
+            stats.new_tokens = end - n
+            stats.seconds = time.perf_counter() - t_start
+            if stats.new_tokens == new.shape[0]:
+                stats.first_token_seconds = stats.seconds
+                stats.first_round_tokens = stats.new_tokens
+            yield new
+            if eos is not None:
+                return
+    finally:
+        if drafter is not None and hasattr(drafter, "remember"):
+            drafter.remember(ids[:end])  # what the request said, for later ones
+
+
+def next_round(target: Engine, drafter: Drafter | None, ids: np.ndarray, most: int, s: DecodeSettings,
+               rng: np.random.Generator, stats: Stats) -> np.ndarray:
+    """One round of at most `most` drafts (tree nodes deep), sized by its policy, which then
+    learns from the round's record, as `stats` does. Returns the tokens it commits."""
+    if s.tree is not None:
+        new, round = tree_round(target, drafter, ids, s.tree, min(s.draft_len.max_k, most), s.params, rng)
+        s.tree.update(round)
+    else:
+        k = min(s.draft_len.choose(), most) if drafter is not None else 0
+        new, round = speculative_round(target, drafter, ids, k, s.params, rng, s.draft_len.min_confidence)
+        if drafter is not None:
+            s.draft_len.update(round)
+    stats.record(round)
+    return new
+
+
 def speculative_round(
     target: Engine, drafter: Drafter | None, ids: np.ndarray, k: int, params: SamplingParams, rng: np.random.Generator,
-    stats: Stats, min_confidence: float = 0.0,
-) -> np.ndarray:
+    min_confidence: float = 0.0,
+) -> tuple[np.ndarray, Round]:
     """One round: draft up to k, verify k'+1 in one target pass, accept, correct or bonus.
-    Returns the tokens it commits (1..k'+1). With k = 0 (or no drafter) it is one plain
-    decoding step."""
+    Returns the tokens it commits (1..k'+1) and its record. With k = 0 (or no drafter) it is
+    one plain decoding step."""
+    chosen = k if drafter is not None else None
     if params.greedy and (drafter is None or k == 0):
-        token = plain_step(target, ids, stats)
-        stats.record_round(k if drafter is not None else None, 0, 0)
-        return np.array([token], dtype=np.int64)
+        token, verify_seconds = plain_step(target, ids)
+        return np.array([token], dtype=np.int64), Round(0, 0, verify_seconds, chosen=chosen)
     if drafter is not None and k > 0 and drafter.fused_with(target):
-        checked = drafter.propose_and_verify(target, ids, k, params, rng)  # on the device, one host sync
+        proposal, checked = drafter.propose_and_verify(target, ids, k, params, rng)  # on the device, one host sync
     else:
-        if drafter is not None and k > 0:
-            draft_tokens, draft_probs = drafter.propose(ids, k, params, rng, min_confidence)  # [k'], [k', V] or None
-        else:
-            draft_tokens, draft_probs = ids[:0], None
-        t0 = time.perf_counter()
-        target_logits = target.forward(np.concatenate([ids[-1:], draft_tokens]), ids.shape[0] - 1)  # [k'+1, V]
-        verify = time.perf_counter() - t0
-        tokens = target_logits.argmax(axis=-1) if params.greedy else None
-        check_finite(target, target_logits, ids.shape[0] - 1, tokens)
-        checked = Checked(draft_tokens, draft_probs, target_logits, tokens, verify_seconds=verify)
-    stats.verify_seconds += checked.verify_seconds
-    stats.target_passes += 1
-    n_accepted, next_token = accept(checked, params, rng)
-    stats.record_round(k if drafter is not None else None, checked.draft_tokens.shape[0], n_accepted)
-    return np.append(checked.draft_tokens[:n_accepted], next_token)
+        drafting = drafter is not None and k > 0
+        proposal = drafter.propose(ids, k, params, rng, min_confidence) if drafting else Proposal.nothing()
+        checked = verify(target, ids, proposal, params)
+    n_accepted, next_token = accept_chain(checked, params, rng)
+    record = Round(checked.draft_tokens.shape[0], n_accepted, checked.verify_seconds, proposal.seconds,
+                   proposal.passes, proposal.caught_up, proposal.first_seconds, chosen)
+    return np.append(checked.draft_tokens[:n_accepted], next_token), record
 
 
-def plain_step(target: Engine, ids: np.ndarray, stats: Stats) -> int:
+def verify(target: Engine, ids: np.ndarray, proposal: Proposal, params: SamplingParams) -> Checked:
+    """The target's one pass over [last, d1..dk'] at positions n-1..n-1+k': its k'+1 rows
+    judge the drafts and give the token after them."""
+    n = ids.shape[0]
+    t0 = time.perf_counter()
+    target_logits = target.forward(np.concatenate([ids[-1:], proposal.tokens]), n - 1)  # [k'+1, V]
+    verify_seconds = time.perf_counter() - t0
+    tokens = target_logits.argmax(axis=-1) if params.greedy else None
+    check_finite(target, target_logits, n - 1, tokens)
+    return Checked(proposal.tokens, proposal.probs, target_logits, tokens, verify_seconds=verify_seconds)
+
+
+def plain_step(target: Engine, ids: np.ndarray) -> tuple[int, float]:
     """A greedy round with nothing drafted: one target pass at T = 1 and its argmax, with as
     little host work as the round allows (on the CPU a step's Python runs on caches the pass
-    has just emptied, so each array operation it skips is worth a few microseconds)."""
+    has just emptied, so each array operation it skips is worth a few microseconds).
+    -> (the token, the pass's seconds)."""
     n = ids.shape[0]
     t0 = time.perf_counter()
     logits = target.forward(ids[n - 1 :], n - 1)
-    stats.verify_seconds += time.perf_counter() - t0
-    stats.target_passes += 1
+    seconds = time.perf_counter() - t0
     row = logits[0]
     token = int(row.argmax())
     if not math.isfinite(row[token]):  # argmax stops at a NaN: the row's maximum is what it found
         check_finite(target, logits, n - 1, np.array([token]))
-    return token
+    return token, seconds
 
 
 def tree_round(
     target: Engine, drafter, ids: np.ndarray, sizes: TreeSize, max_depth: int, params: SamplingParams,
-    rng: np.random.Generator, stats: Stats,
-) -> np.ndarray:
+    rng: np.random.Generator,
+) -> tuple[np.ndarray, Round]:
     """One tree round: the drafter's candidate tree, cut to the size the policy chooses, judged
     by the target in one pass; the accepted path's K/V move to the slots a chain would have
-    written them to. Returns the tokens it commits (the path and the target's own token).
+    written them to. Returns the tokens it commits (the path and the target's own token) and
+    its record.
 
     With `sizes.chains` the candidate is the drafter's chain (a model-free lookup, looked up
     before the policy decides how much of it to verify: the lookup is free, and what it found
     is the best guide to how far it holds), verified as a chain round."""
     n = ids.shape[0]
-    seconds = drafter.seconds
     room = min(sizes.max_nodes, target.max_seq - n)  # node i is written at slot n + i
     if max_depth <= 0 or room <= 0:
-        candidates = EMPTY_TREE
+        candidates, lookup = EMPTY_TREE, 0.0
     elif sizes.chains:
-        candidates = DraftTree.chain(drafter.propose(ids, min(room, max_depth), params, rng)[0])
+        proposal = drafter.propose(ids, min(room, max_depth), params, rng)
+        candidates, lookup = DraftTree.chain(proposal.tokens), proposal.seconds
     else:
+        t0 = time.perf_counter()
         candidates = drafter.propose_tree(ids, room, max_depth)
-    lookup = drafter.seconds - seconds
+        lookup = time.perf_counter() - t0
     tree = candidates.prune(sizes.choose(candidates.probs, candidates.size))
     t0 = time.perf_counter()
     if tree.size and not tree.is_chain():
         logits = target.forward(np.concatenate([ids[-1:], tree.tokens]), n - 1, tree=tree.layout())
     else:  # a chain (or nothing): the ordinary pass, whatever the target
         logits = target.forward(np.concatenate([ids[-1:], tree.tokens]), n - 1)
-    verify = time.perf_counter() - t0
+    verify_seconds = time.perf_counter() - t0
     tokens = logits.argmax(axis=-1) if params.greedy else None
     check_finite(target, logits, n - 1, tokens)
-    if params.greedy:
-        path, token = accept_tree(tree, lambda row: tokens[row])
-    else:
-        path, token = accept_tree(tree, lambda row: sample(warp(logits[row], params), rng))
+    path, token = accept_path(tree, logits, tokens, params, rng)
     if path != list(range(len(path))):  # off the main chain: move the path's K/V into place
         target.move_kv(n + np.asarray(path, dtype=np.int64), n)
-    stats.verify_seconds += verify
-    stats.target_passes += 1
-    if sizes.chains:
-        stats.record_round(tree.size, tree.size, len(path))
-    else:
-        stats.record_tree(tree.size, len(path))
-    sizes.update(tree.probs, tree.size, path, verify, lookup)
-    return np.append(tree.tokens[path], token)
+    record = Round(tree.size, len(path), verify_seconds, lookup, chosen=tree.size if sizes.chains else None,
+                   tree=not sizes.chains, path=tuple(path), scores=tree.probs)
+    return np.append(tree.tokens[path], token), record
 
 
 EMPTY_TREE = DraftTree(np.empty(0, dtype=np.int64), np.empty(0, dtype=np.int64), np.empty(0))
@@ -178,109 +266,3 @@ def check_finite(target: Engine, target_logits: np.ndarray, start: int, argmax: 
             f"{target.name}: non-finite logits ({row_max[bad[0]]}) at position {start + int(bad[0])}: "
             "the bundle's weights or graph are broken; re-export the bundle"
         )
-
-
-def accept(checked: Checked, params: SamplingParams, rng: np.random.Generator) -> tuple[int, int]:
-    """Accept the longest prefix the target agrees with, then take the target's own token:
-    the correction at the first disagreement, or the bonus after k' agreements.
-    -> (accepted count, next token)."""
-    if params.greedy:
-        tokens = checked.target_tokens if checked.target_tokens is not None else checked.target_logits.argmax(axis=-1)
-        return accept_greedy(checked.draft_tokens, tokens)
-    return verify_sampled(checked.draft_tokens, checked.draft_probs, warp(checked.target_logits, params), rng)
-
-
-def decode(
-    target: Engine,
-    drafter: Drafter | None,
-    prompt_ids: np.ndarray,
-    max_new_tokens: int,
-    draft_len: DraftLength,
-    eos_token_ids: list[int],
-    prefill_chunk: int,
-    params: SamplingParams,
-    stats: Stats,
-    cache: PromptCache | None = None,
-    tree: TreeSize | None = None,
-):
-    """Yield the committed tokens of each round until EOS or max_new_tokens.
-
-    With `tree` (a drafter that proposes trees, a target that verifies them) each round is a
-    tree round of depth up to the draft length's maximum; else a chain round of k drafts.
-
-    The caller has checked that prompt + max_new_tokens fits the bundle's max sequence.
-    Host synchronisation: each engine pass returns its logits to the host once, so a round
-    is one for the verify pass plus one per draft step (the drafter picks each token on the
-    host), except a round over engines that chain the draft on the device (a model draft on
-    the torch backend, or greedy on TensorRT engines with the argmax output): one per round.
-    """
-    t_start = time.perf_counter()
-    rng = np.random.default_rng(params.seed)
-    ids = np.empty(prompt_ids.shape[0] + max_new_tokens, dtype=np.int64)  # allocated once
-    n = prompt_ids.shape[0]
-    ids[:n] = prompt_ids
-    stats.prompt_tokens = n
-    reuse = cache.reusable(target, ids[:n]) if cache is not None else 0
-    stats.cached_tokens = reuse
-    if drafter is not None:
-        if cache is None:
-            drafter.reset()  # else it keeps its own K/V: its rollback reuses what agrees with ids
-        passes0, seconds0 = drafter.passes, drafter.seconds
-    prefill(target, ids[:n], prefill_chunk, start=reuse)
-    if cache is not None:
-        cache.hold(target, ids, n - 1)
-    stats.prefill_seconds = time.perf_counter() - t_start
-    eos = frozenset(int(t) for t in eos_token_ids)
-    if drafter is None:
-        passes0 = seconds0 = 0
-    try:
-        yield from _rounds(target, drafter, ids, n, max_new_tokens, draft_len, eos, params, rng, stats, cache, tree,
-                           t_start, passes0, seconds0)
-    finally:
-        if drafter is not None and hasattr(drafter, "remember"):
-            drafter.remember(ids[: n + stats.new_tokens])  # what the request said, for later ones
-
-
-def _rounds(target, drafter, ids, n, max_new_tokens, draft_len, eos, params, rng, stats, cache, tree, t_start,
-            passes0, seconds0):
-    produced = 0
-    stats.finish_reason = "length"
-    while produced < max_new_tokens:
-        if tree is not None:  # never past the tokens still wanted: they would be thrown away
-            new = tree_round(target, drafter, ids[:n], tree, min(draft_len.max_k, max_new_tokens - produced - 1),
-                             params, rng, stats)
-            k = None
-        else:
-            k = min(draft_len.choose(), max_new_tokens - produced - 1) if drafter is not None else 0
-        if k is not None:
-            draft_before, verify_before = (drafter.seconds if drafter else 0.0), stats.verify_seconds
-            passes_before = drafter.passes if drafter else 0
-            new = speculative_round(target, drafter, ids[:n], k, params, rng, stats, draft_len.min_confidence)
-            if drafter is not None:
-                draft_len.update(stats.last_proposed, stats.last_accepted, drafter.seconds - draft_before,
-                                 stats.verify_seconds - verify_before, drafter.caught_up,
-                                 drafter.passes - passes_before, drafter.first_seconds)
-        stop = next((i for i, token in enumerate(new.tolist()) if token in eos), None)  # a set: no numpy per round
-        if stop is not None:
-            new = new[: stop + 1]
-        new = new[: max_new_tokens - produced]
-        if stop is not None and stop >= new.shape[0]:
-            stop = None  # the EOS fell past max_new_tokens: the generation ends by its length
-        ids[n : n + new.shape[0]] = new
-        n += new.shape[0]
-        produced += new.shape[0]
-        if cache is not None:
-            cache.hold(target, ids, n - 1)
-        stats.new_tokens = produced
-        if drafter is not None:
-            stats.draft_passes = drafter.passes - passes0
-            stats.draft_seconds = drafter.seconds - seconds0
-        stats.seconds = time.perf_counter() - t_start
-        if produced == new.shape[0]:
-            stats.first_token_seconds = stats.seconds
-            stats.first_round_tokens = produced
-        if stop is not None:
-            stats.finish_reason = "eos"
-        yield new
-        if stop is not None:
-            return

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from specdeploy.runtime.decoding.stats import Round
+
 
 class PassCost:
     """What a pass (the target's, or a draft's) costs as a function of its tokens T:
@@ -237,8 +239,7 @@ class DraftLength:
     # int4 step), and only a probe's verdict changes the estimates much.
     SETTLED = 8
 
-    def update(self, proposed: int, accepted: int, draft_seconds: float, verify_seconds: float,
-               caught_up: int = 1, draft_passes: int = 0, first_seconds: float = 0.0) -> None:
+    def update(self, round: Round) -> None:
         """After each round: `proposed` draft tokens (0: the pass was a plain step at T = 1),
         `accepted` of them, the draft's and the verify pass's seconds, how many tokens the
         draft's first pass fed (`caught_up`) and how many passes it ran (0: as many as it
@@ -247,6 +248,7 @@ class DraftLength:
         is per pass, not per proposed token. The first pass is priced on its own: priced per
         step, a round of one draft token would look dear and `auto` would settle on the short
         rounds that make it look so."""
+        proposed, accepted, verify_seconds = round.proposed, round.accepted, round.verify_seconds
         a = self.acceptance_decay
         if proposed:
             self._plain_left = 0  # drafted (a probe, say): evaluate the rates again next round
@@ -262,14 +264,14 @@ class DraftLength:
         self.passes.add(proposed + 1, verify_seconds)
         if proposed == 0:
             return
-        passes = draft_passes or proposed
-        if not first_seconds:  # the round's passes timed as a whole (a chain on the device)
-            self.draft.add(1, draft_seconds / passes, weight=passes)
+        passes, first = round.draft_passes or proposed, round.first_seconds
+        if not first:  # the round's passes timed as a whole (a chain on the device)
+            self.draft.add(1, round.draft_seconds / passes, weight=passes)
             return
-        if caught_up <= self.max_k + 1:  # not a prompt's or a long pause's catch-up
-            self.draft.add(max(caught_up, 1), first_seconds)
+        if round.caught_up <= self.max_k + 1:  # not a prompt's or a long pause's catch-up
+            self.draft.add(max(round.caught_up, 1), first)
         if passes > 1:  # the later passes are steps of T = 1
-            self.draft.add(1, (draft_seconds - first_seconds) / (passes - 1), weight=passes - 1)
+            self.draft.add(1, (round.draft_seconds - first) / (passes - 1), weight=passes - 1)
 
 
 class TreeSize:
@@ -365,21 +367,20 @@ class TreeSize:
             return 1 if self.probes.due() else 0
         return best + 1
 
-    def update(self, probs: np.ndarray | None, nodes: int, path: list[int], verify_seconds: float,
-               lookup_seconds: float) -> None:
-        """After each round: the verified tree's scores and size (0: a plain step at T = 1), the
-        accepted path's node indices, the pass's and the lookup's seconds."""
-        d = self.decay
+    def update(self, round: Round) -> None:
+        """After each round: the verified tree's size (`proposed`; 0: a plain step at T = 1) and
+        scores, the accepted path's node indices, the pass's and the lookup's seconds."""
+        d, nodes = self.decay, round.proposed
         if nodes:
-            self.probes.settle(bool(path))
+            self.probes.settle(bool(round.path))
             # every rank fades, verified or not: a rank left out for a while (after rounds that
             # went badly) drifts back to the drafter's score and is tried again
-            rank = self.ranks(probs, nodes)
+            rank = self.ranks(round.scores, nodes)
             self.hits *= d
             self.trials *= d
             self.trials[:nodes] += 1
-            np.add.at(self.hits, rank[np.asarray(path, dtype=np.int64)], 1)
-        if verify_seconds <= 0 or not self.measure:
+            np.add.at(self.hits, rank[np.asarray(round.path, dtype=np.int64)], 1)
+        if round.verify_seconds <= 0 or not self.measure:
             return
-        self.passes.add(nodes + 1, verify_seconds)
-        self.lookup = d * self.lookup + (1 - d) * lookup_seconds
+        self.passes.add(nodes + 1, round.verify_seconds)
+        self.lookup = d * self.lookup + (1 - d) * round.draft_seconds

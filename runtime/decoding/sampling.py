@@ -1,12 +1,8 @@
 """Sampling: pure functions on arrays, no model handles (docs/design.md, "The round").
 
-Roles in names: `target_probs [k+1, V]` from the target's verify pass, `draft_probs [k, V]`
-from the draft (None: a point mass on each drafted token, as for n-gram drafts).
-
-Lossless rejection sampling (Leviathan et al. 2023; Chen et al. 2023): accept drafted x
-with probability min(1, p(x) / q(x)); at the first rejection sample from
-norm(max(0, p - q)); after k acceptances sample the bonus token from p. The output then
-has exactly the target's distribution, whatever the draft proposes.
+`warp` turns logits into the distribution a token is drawn from, the same warp for target and
+draft (the lossless proof requires it); `sample` draws one token. The acceptance rule that
+judges drafted tokens against the target lives in accept.py.
 """
 from __future__ import annotations
 
@@ -76,43 +72,3 @@ def sample(probs: np.ndarray, rng: np.random.Generator) -> int:
     """One draw from probs [V] by inverse CDF (one uniform per draw, so runs replay)."""
     cdf = np.cumsum(probs)
     return int(min(np.searchsorted(cdf, rng.random() * cdf[-1], side="right"), probs.shape[0] - 1))
-
-
-def verify_greedy(draft_tokens: np.ndarray, target_logits: np.ndarray) -> tuple[int, int]:
-    """-> (accepted count, the target's own next token). target_logits [k+1, V]."""
-    return accept_greedy(draft_tokens, target_logits.argmax(axis=-1))
-
-
-def accept_greedy(draft_tokens: np.ndarray, target_tokens: np.ndarray) -> tuple[int, int]:
-    """-> (accepted count, the target's own next token). target_tokens [k+1]: its argmaxes."""
-    agree = draft_tokens == target_tokens[:-1]
-    n = int(agree.argmin()) if not agree.all() else agree.shape[0]
-    return n, int(target_tokens[n])
-
-
-def verify_sampled(
-    draft_tokens: np.ndarray,
-    draft_probs: np.ndarray | None,
-    target_probs: np.ndarray,
-    rng: np.random.Generator,
-) -> tuple[int, int]:
-    """Rejection sampling over k drafted tokens -> (accepted count, next token).
-
-    draft_tokens [k], draft_probs [k, V] or None (point mass), target_probs [k+1, V].
-    """
-    k = draft_tokens.shape[0]
-    for i in range(k):
-        x = int(draft_tokens[i])
-        p = target_probs[i, x]
-        q = 1.0 if draft_probs is None else draft_probs[i, x]
-        if q > 0 and rng.random() * q < p:  # accept with probability min(1, p/q)
-            continue
-        residual = target_probs[i].copy()
-        if draft_probs is None:
-            residual[x] = 0.0
-        else:
-            residual = np.maximum(residual - draft_probs[i], 0.0)
-        if residual.sum() <= 0.0:  # p == q up to rounding: the residual is empty, p is exact
-            residual = target_probs[i]
-        return i, sample(residual, rng)
-    return k, sample(target_probs[k], rng)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import numpy as np
 
@@ -14,9 +14,9 @@ from specdeploy.core.manifest import Bundle, load_bundle
 from specdeploy.runtime.backends import BackendChoice, Device, make_engine
 from specdeploy.runtime.backends.ort import settle_thread_pool, thread_pool_choice
 from specdeploy.runtime.decoding.drafters import make_drafter
-from specdeploy.runtime.decoding.loop import PromptCache, decode
+from specdeploy.runtime.decoding.loop import DecodeSettings, PromptCache, decode
 from specdeploy.runtime.decoding.policy import DraftLength, TreeSize
-from specdeploy.runtime.decoding.stats import Stats
+from specdeploy.runtime.decoding.stats import Stats, finish_reason
 from specdeploy.runtime.decoding.sampling import SamplingParams
 from specdeploy.runtime.decoding.stops import StopMatcher
 from specdeploy.runtime.decoding.tokenizer import TextStream, Tokenizer, check_text
@@ -48,9 +48,10 @@ class Generation:
     it (a round runs in `next()`).
     """
 
-    def __init__(self, pieces: Iterator[Piece], stats: Stats, on_end=None):
+    def __init__(self, pieces: Iterator[Piece], stats: Stats, finish: Callable[[bool], str], on_end=None):
         self._pieces = pieces
         self.stats = stats
+        self._finish = finish  # cancelled -> the finish reason, recorded once, when it ends
         self.cancelled = threading.Event()
         self._on_end = on_end
         self._ended = False
@@ -109,8 +110,7 @@ class Generation:
         if self._ended:
             return
         self._ended = True
-        if cancelled:  # ended before its rounds ran out
-            self.stats.finish_reason = "cancelled"
+        self.stats.finish_reason = self._finish(cancelled)  # cancelled: before its rounds ran out
         try:
             self._pieces.close()
         finally:
@@ -267,30 +267,31 @@ class Session:
         if tree is not None and tree.measure and tree.fixed is None:
             self._auto_tree = tree
         stats = Stats()
-        rounds = decode(
-            self.target, drafter, ids, max_new_tokens, lengths, self.eos_token_ids, self.bundle.prefill_chunk, params, stats,
-            self.cache, tree,
-        )
+        settings = DecodeSettings(max_new_tokens, self.eos_token_ids, self.bundle.prefill_chunk, params, lengths, tree,
+                                  self.cache)
+        rounds = decode(self.target, drafter, ids, settings, stats)
         stops = StopMatcher(list(stop))
+        met = {"stop": False, "eos": False}  # what the rounds met, for the finish reason
 
         def pieces() -> Iterator[Piece]:
             text = TextStream(self.tokenizer)
             for new in rounds:
-                out, hit = stops.feed(text.push(new))
-                if hit:
-                    stats.finish_reason = "stop"
+                met["eos"] = int(new[-1]) in settings.eos_token_ids  # the loop's last round ends at its first EOS
+                out, met["stop"] = stops.feed(text.push(new))
+                if met["stop"]:
                     rounds.close()
                     yield Piece(out, new.tolist())
                     return
                 yield Piece(out, new.tolist())
-            out, hit = stops.feed(text.flush())
-            out += "" if hit else stops.flush()
-            if hit:
-                stats.finish_reason = "stop"
+            out, met["stop"] = stops.feed(text.flush())
+            out += "" if met["stop"] else stops.flush()
             if out:
                 yield Piece(out, [])
 
-        return Generation(pieces(), stats, on_end=self._busy.release)
+        def finish(cancelled: bool) -> str:
+            return finish_reason(cancelled=cancelled, **met)
+
+        return Generation(pieces(), stats, finish, on_end=self._busy.release)
 
     def tree_capable(self) -> bool:
         """Whether this bundle runs tree rounds: a drafter that proposes trees, a target graph

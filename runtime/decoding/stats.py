@@ -1,7 +1,53 @@
-"""What a generation measured: tokens, passes, acceptance, where the time went."""
+"""What a generation measured: tokens, passes, acceptance, where the time went.
+
+`Round` is what one round did; the loop hands it to the policy that chose the round and to
+`Stats.record`, which adds it up.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class Round:
+    """One round's record (docs/design.md, "The round"): what was proposed and verified, what
+    held, and what it cost.
+
+    A chain round (a plain step: nothing proposed) or, with `tree`, a tree round, whose
+    `proposed` counts the nodes verified and `accepted` the accepted path's.
+    """
+
+    proposed: int  # draft tokens (tree nodes) the verify pass judged; 0: a plain step
+    accepted: int  # of them, the ones committed (the accepted path's nodes)
+    verify_seconds: float  # the verify pass
+    draft_seconds: float = 0.0  # the proposal's (a lookup's) seconds
+    draft_passes: int = 0  # draft passes the proposal ran (0: a model-free lookup)
+    caught_up: int = 0  # tokens the draft's first pass fed (a model draft catching up)
+    first_seconds: float = 0.0  # the draft's first pass alone (0.0: not timed on its own)
+    chosen: int | None = None  # the draft length chosen, for the history (None: none was)
+    tree: bool = False  # a tree round: its size and path go to the tree histograms
+    path: tuple[int, ...] = ()  # the accepted nodes' indices (rounds a TreeSize chose)
+    scores: np.ndarray | None = None  # [proposed] the verified nodes' drafter scores (DraftTree.probs)
+
+
+FINISH_REASONS = ("eos", "length", "stop", "cancelled")
+
+
+def finish_reason(*, cancelled: bool, stop: bool, eos: bool) -> str:
+    """Why a generation ended, one of FINISH_REASONS: "cancelled" when it was ended before its
+    rounds ran out (whatever they had met), else "stop" at a stop string, "eos" at an EOS token
+    (the loop commits it and stops), "length" at max_new_tokens.
+
+    >>> finish_reason(cancelled=False, stop=True, eos=True)
+    'stop'
+    """
+    if cancelled:
+        return "cancelled"
+    if stop:
+        return "stop"
+    return "eos" if eos else "length"
 
 
 @dataclass
@@ -21,7 +67,7 @@ class Stats:
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
     seconds: float = 0.0
-    finish_reason: str = ""  # "eos", "length" or "stop"
+    finish_reason: str = ""  # one of FINISH_REASONS, once the generation has ended
     draft_len_history: list[int] = field(default_factory=list)  # k chosen each round
     last_proposed: int = 0
     last_accepted: int = 0
@@ -48,10 +94,23 @@ class Stats:
         span = self.seconds - self.first_token_seconds
         return (self.new_tokens - self.first_round_tokens) / span if span > 0 else 0.0
 
-    def record_round(self, chosen: int | None, proposed: int, accepted: int) -> None:
-        if chosen is not None:
-            self.draft_len_history.append(chosen)
+    def record(self, round: Round) -> None:
+        """Add one round: its verify pass, its draft's passes and seconds, what it proposed and
+        what held (per draft position for chains; the size and path histograms for trees)."""
+        self.target_passes += 1
+        self.verify_seconds += round.verify_seconds
+        self.draft_passes += round.draft_passes
+        self.draft_seconds += round.draft_seconds
+        proposed, accepted = round.proposed, round.accepted
         self.last_proposed, self.last_accepted = proposed, accepted
+        self.drafted += proposed
+        self.accepted += accepted
+        if round.tree:
+            self.tree_sizes.append(proposed)
+            self.path_lengths.append(accepted)
+            return
+        if round.chosen is not None:
+            self.draft_len_history.append(round.chosen)
         grow = proposed - len(self.proposed_at)
         if grow > 0:
             self.proposed_at += [0] * grow
@@ -59,15 +118,6 @@ class Stats:
         for i in range(proposed):
             self.proposed_at[i] += 1
             self.accepted_at[i] += i < accepted
-        self.drafted += proposed
-        self.accepted += accepted
-
-    def record_tree(self, nodes: int, path: int) -> None:
-        self.tree_sizes.append(nodes)
-        self.path_lengths.append(path)
-        self.last_proposed, self.last_accepted = nodes, path
-        self.drafted += nodes
-        self.accepted += path
 
     def as_dict(self) -> dict:
         host = self.seconds - self.prefill_seconds - self.draft_seconds - self.verify_seconds

@@ -4,7 +4,8 @@ A tree's root is the last committed token (it opens every pass, as in a chain ro
 nodes are candidate tokens after it. Node i is written at slot n-1+1+i (the root at n-1),
 sits at position n-1+depth(i), and sees the committed context and its own ancestors only:
 a tree is a mask. The target's rows judge every node at once; the longest path the target
-agrees with wins, and its nodes' K/V move into the slots a chain would have written them to.
+agrees with wins (accept.py), and its nodes' K/V move into the slots a chain would have
+written them to.
 """
 from __future__ import annotations
 
@@ -109,26 +110,3 @@ class TreeLayout:
 
     offsets: np.ndarray
     visible: np.ndarray
-
-
-def accept_tree(tree: DraftTree, row_tokens) -> tuple[list[int], int]:
-    """Walk the tree from the root: at each node take the target's token for its row
-    (`row_tokens(row)`: row 0 is the root's, row i+1 node i's) and follow the child that
-    carries it; stop where none does. -> (the accepted path's node indices, the target's own
-    token after it). Greedy: the row's argmax. Sampled: a draw from the row's distribution,
-    which keeps exactly the target's distribution for model-free candidates (point masses):
-    each committed token is a draw from the target given the tokens before it.
-
-    >>> t = DraftTree(np.array([5, 6, 7, 8]), np.array([-1, 0, -1, 2]))
-    >>> accept_tree(t, lambda row: {0: 7, 3: 8, 4: 9}[row])
-    ([2, 3], 9)
-    """
-    child = {(int(p), int(tok)): i for i, (p, tok) in enumerate(zip(tree.parents.tolist(), tree.tokens.tolist()))}
-    path, node = [], -1
-    while True:
-        token = int(row_tokens(node + 1))
-        nxt = child.get((node, token))
-        if nxt is None:
-            return path, token
-        path.append(nxt)
-        node = nxt

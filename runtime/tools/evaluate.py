@@ -94,7 +94,8 @@ def draft_positions(session: Session, runs: list, params: SamplingParams) -> tup
         logits = np.concatenate(rows) if rows else np.empty((0, target.vocab_size), dtype=np.float32)
         for j in range(n, last + 1):
             scanned += 1
-            tokens, probs = drafter.propose(full[:j], 1, params, rng)
+            proposal = drafter.propose(full[:j], 1, params, rng)
+            tokens, probs = proposal.tokens, proposal.probs
             if tokens.shape[0] == 0:
                 continue
             p = warp(logits[j - n], params)
@@ -140,7 +141,8 @@ def sampling_contract(session: Session, runs: list, params: SamplingParams, samp
     report.update(prompt=prompt[:60], position=best["position"], context_tokens=len(ids),
                   draft_token=best["token"], accept_probability=round(best["accept"], 4))
     p = warp(_target_logits_after(session, ids.tolist()), params)
-    tokens, probs = session.drafter.propose(ids, 1, params, np.random.default_rng(0))
+    proposal = session.drafter.propose(ids, 1, params, np.random.default_rng(0))
+    tokens, probs = proposal.tokens, proposal.probs
     if probs is None:
         q = np.zeros_like(p)
         q[int(tokens[0])] = 1.0

@@ -9,6 +9,7 @@ import numpy as np
 from specdeploy.core.manifest import Bundle, DraftEntry, ModelSpec
 
 from specdeploy.runtime.backends import BackendChoice, make_engine
+from specdeploy.runtime.decoding.drafters.proposal import Proposal
 from specdeploy.runtime.decoding.engine import Checked, Engine
 from specdeploy.runtime.decoding.sampling import SamplingParams, sample, warp
 
@@ -24,10 +25,6 @@ class ModelDrafter:
         self.cost_ratio = cost_ratio
         self.fed = np.empty(engine.max_seq, dtype=np.int64)  # tokens whose K/V the cache holds
         self.length = 0
-        self.passes = 0
-        self.seconds = 0.0
-        self.caught_up = 0
-        self.first_seconds = 0.0
         self._runs = None  # the engine's pass count when `fed` was last true (see Engine.runs)
 
     @classmethod
@@ -62,43 +59,41 @@ class ModelDrafter:
         return self.engine.chains and target.chains and self.engine.device == target.device
 
     def propose_and_verify(self, target: Engine, ids: np.ndarray, k: int, params: SamplingParams,
-                           rng: np.random.Generator) -> Checked:
+                           rng: np.random.Generator) -> tuple[Proposal, Checked]:
         """The fused round: k draft tokens chained on the device, verified by the target from
         device memory, one host synchronisation. Under sampling the device generator is seeded
         from `rng`, so a seeded run replays."""
         t0 = time.perf_counter()
         pending = self._rollback(ids)
-        self.caught_up = pending.shape[0]
-        self.first_seconds = 0.0  # the chain is timed as a whole
         seed = None if params.greedy else int(rng.integers(1 << 62))
         chain = self.engine.draft_chain(pending, self.length, k, None if params.greedy else params, seed)
         checked = target.verify_chain(int(ids[-1]), chain, ids.shape[0] - 1)
         fed = np.concatenate([pending, checked.draft_tokens[:-1]])  # the chain fed every draft token but the last
         self.fed[self.length : self.length + fed.shape[0]] = fed
         self.length += fed.shape[0]
-        self.passes += k
         self._runs = self.engine.runs
         draft_seconds = self.engine.chain_seconds()
-        self.seconds += draft_seconds
         checked.verify_seconds = time.perf_counter() - t0 - draft_seconds
-        return checked
+        # the chain is timed as a whole: no first pass of its own
+        proposal = Proposal(checked.draft_tokens, checked.draft_probs, draft_seconds, k, pending.shape[0])
+        return proposal, checked
 
     def propose(self, ids: np.ndarray, k: int, params: SamplingParams, rng: np.random.Generator,
-                min_confidence: float = 0.0):
+                min_confidence: float = 0.0) -> Proposal:
         """ids [n] committed tokens -> up to k draft tokens and their draft probs."""
         t0 = time.perf_counter()
         pending = self._rollback(ids)
-        self.caught_up = pending.shape[0]
+        caught_up, first_seconds, passes = pending.shape[0], 0.0, 0
         tokens = np.empty(k, dtype=np.int64)
         probs = None if params.greedy else np.empty((k, self.engine.vocab_size), dtype=np.float64)
         count = 0
         for i in range(k):
             logits = self.engine.forward(pending, self.length, last=True)[-1]  # a catch-up: its last row only
             if i == 0:
-                self.first_seconds = time.perf_counter() - t0
+                first_seconds = time.perf_counter() - t0
             self.fed[self.length : self.length + pending.shape[0]] = pending
             self.length += pending.shape[0]
-            self.passes += 1
+            passes += 1
             if params.greedy:
                 token = int(logits.argmax())
                 confidence = _softmax_max(logits) if min_confidence else 1.0
@@ -112,8 +107,8 @@ class ModelDrafter:
             count += 1
             pending = tokens[i : i + 1]
         self._runs = self.engine.runs
-        self.seconds += time.perf_counter() - t0
-        return tokens[:count], None if probs is None else probs[:count]
+        return Proposal(tokens[:count], None if probs is None else probs[:count], time.perf_counter() - t0, passes,
+                        caught_up, first_seconds)
 
 
 class SelfDrafter(ModelDrafter):

@@ -8,6 +8,7 @@ import numpy as np
 from specdeploy.core.manifest import Bundle, DraftEntry
 
 from specdeploy.runtime.backends import BackendChoice
+from specdeploy.runtime.decoding.drafters.proposal import Proposal
 from specdeploy.runtime.decoding.engine import Checked, Engine
 from specdeploy.runtime.decoding.sampling import SamplingParams
 
@@ -18,13 +19,11 @@ class HostLookup:
     kind = "lookup"
     engine = None
     cost_ratio = 0.0  # a lookup on the host costs next to nothing beside a pass
-    caught_up = 0
-    first_seconds = 0.0
 
     def fused_with(self, target: Engine) -> bool:
         return False  # a lookup on the host: the verify pass is an ordinary one
 
-    def propose_and_verify(self, target, ids, k, params, rng) -> Checked:
+    def propose_and_verify(self, target, ids, k, params, rng) -> tuple[Proposal, Checked]:
         raise NotImplementedError(f"a {self.kind} round is never fused (see fused_with)")
 
 
@@ -42,8 +41,6 @@ class NgramDrafter(HostLookup):
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
         self.max_ngram = max_ngram
         self.min_ngram = min_ngram
-        self.passes = 0
-        self.seconds = 0.0
         self.reset()
 
     @classmethod
@@ -63,7 +60,7 @@ class NgramDrafter(HostLookup):
         self._after: dict[int, dict[bytes, int]] = {n: {} for n in range(self.min_ngram, self.max_ngram + 1)}
 
     def propose(self, ids: np.ndarray, k: int, params: SamplingParams, rng: np.random.Generator,
-                min_confidence: float = 0.0):
+                min_confidence: float = 0.0) -> Proposal:
         t0 = time.perf_counter()
         ids = np.asarray(ids, dtype=np.int64).reshape(-1)
         self._catch_up(ids)
@@ -75,8 +72,7 @@ class NgramDrafter(HostLookup):
             if start is not None:
                 found = ids[start : start + k].copy()
                 break
-        self.seconds += time.perf_counter() - t0
-        return found, None
+        return Proposal(found, None, time.perf_counter() - t0)
 
     def _catch_up(self, ids: np.ndarray) -> None:
         """Index the n-grams ending at positions up to the one before the last (the last

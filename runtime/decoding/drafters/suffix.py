@@ -25,6 +25,7 @@ from specdeploy.core.manifest import Bundle, DraftEntry
 
 from specdeploy.runtime.backends import BackendChoice
 from specdeploy.runtime.decoding.drafters.ngram import HostLookup
+from specdeploy.runtime.decoding.drafters.proposal import Proposal
 from specdeploy.runtime.decoding.sampling import SamplingParams
 from specdeploy.runtime.decoding.tree import DraftTree
 
@@ -186,8 +187,6 @@ class SuffixDrafter(HostLookup):
         self.min_ngram = min_ngram
         self.index = index if index is not None else SuffixIndex(max_ngram=max_ngram, min_ngram=min_ngram)
         self.private = False
-        self.passes = 0
-        self.seconds = 0.0
         self.reset()
 
     @classmethod
@@ -217,21 +216,15 @@ class SuffixDrafter(HostLookup):
             self.index.add(np.asarray(ids, dtype=np.int64))
 
     def propose(self, ids: np.ndarray, k: int, params: SamplingParams, rng: np.random.Generator,
-                min_confidence: float = 0.0):
-        """The main chain of the k-node tree: (tokens int64 [k'], None)."""
+                min_confidence: float = 0.0) -> Proposal:
+        """The main chain of the k-node tree (a point mass on each token)."""
         t0 = time.perf_counter()
-        chain = self._tree(ids, k, k).main_chain()
-        self.seconds += time.perf_counter() - t0
-        return chain, None
+        chain = self.propose_tree(ids, k, k).main_chain()
+        return Proposal(chain, None, time.perf_counter() - t0)
 
     def propose_tree(self, ids: np.ndarray, budget: int, max_depth: int) -> DraftTree:
-        """Up to `budget` candidate nodes, `max_depth` deep at most, after ids [n]."""
-        t0 = time.perf_counter()
-        tree = self._tree(ids, budget, max_depth)
-        self.seconds += time.perf_counter() - t0
-        return tree
-
-    def _tree(self, ids: np.ndarray, budget: int, max_depth: int) -> DraftTree:
+        """Up to `budget` candidate nodes, `max_depth` deep at most, after ids [n] (the round
+        times the lookup)."""
         ids = np.asarray(ids).reshape(-1)
         self._catch_up(ids)
         if budget <= 0 or max_depth <= 0:
