@@ -285,6 +285,7 @@ class Manifest:
     models: dict[str, ModelSpec]  # "target", and "draft" for a model draft
     tokenizer: TokenizerEntry
     files: dict[str, str] = field(default_factory=dict)  # file name -> sha256
+    sizes: dict[str, int] = field(default_factory=dict)  # file name -> bytes (bundles before it: empty)
     created_by: str = ""
     created_at: str = ""
     export_seconds: float | None = None
@@ -308,6 +309,11 @@ class Manifest:
             bundle_file_name(name, f"{where}: files")
             if not (isinstance(sha, str) and len(sha) == 64):
                 raise BundleError(f"{where}: files[{name!r}] must be a sha256 hex digest")
+        sizes = _take(d, "sizes", dict, where, optional=True) or {}
+        for name, size in sizes.items():
+            if not (isinstance(size, int) and not isinstance(size, bool) and 0 <= size < 1 << 50):
+                raise BundleError(f"{where}: sizes[{name!r}] must be a file's size in bytes")
+        sizes = {name: size for name, size in sizes.items() if name in files}  # a size says nothing of an unlisted file
         seconds = _take(d, "export_seconds", (int, float), where, optional=True)
         max_seq = _positive(_take(d, "max_seq", int, where), "max_seq", where, MOST["max_seq"])
         manifest = cls(
@@ -318,6 +324,7 @@ class Manifest:
             models={role: ModelSpec.from_dict(role, entry) for role, entry in models.items()},
             tokenizer=TokenizerEntry.from_dict(d.get("tokenizer")),
             files=dict(files),
+            sizes=dict(sizes),
             created_by=_take(d, "created_by", str, where, optional=True) or "",
             created_at=_take(d, "created_at", str, where, optional=True) or "",
             export_seconds=seconds,
@@ -371,6 +378,8 @@ class Manifest:
         if self.export_seconds is not None:
             d["export_seconds"] = self.export_seconds
         d["files"] = dict(sorted(self.files.items()))
+        if self.sizes:
+            d["sizes"] = dict(sorted(self.sizes.items()))
         return d
 
     def replace(self, **changes) -> "Manifest":
@@ -380,6 +389,12 @@ class Manifest:
 def checksums(folder: Path, names) -> dict[str, str]:
     """{name: sha256} of the named files of `folder`, sorted by name."""
     return {name: sha256_file(folder / name) for name in sorted(names)}
+
+
+def file_sizes(folder: Path, names) -> dict[str, int]:
+    """{name: bytes} of the named files of `folder`: checked before a file is hashed, so a
+    swapped file (a sparse one of gigabytes, say) is refused without reading it."""
+    return {name: (folder / name).stat().st_size for name in sorted(names)}
 
 
 def write_manifest(folder: Path, manifest: Manifest) -> None:
@@ -394,6 +409,7 @@ def write_manifest(folder: Path, manifest: Manifest) -> None:
 class Bundle:
     path: Path
     manifest: Manifest
+    digest: str = ""  # "sha256:" + the manifest file's sha256: it lists every file's, so it pins the whole bundle
 
     @property
     def max_seq(self) -> int:
@@ -451,6 +467,11 @@ def memory_budget() -> int:
 
 def read_manifest(path: str | Path) -> Manifest:
     """The manifest of the bundle folder `path`, checked field by field (no file checksums)."""
+    return _read_manifest(path)[0]
+
+
+def _read_manifest(path: str | Path) -> tuple[Manifest, str]:
+    """The manifest and the bundle's digest (the sha256 of the manifest's bytes)."""
     path = Path(path)
     manifest_path = path / MANIFEST
     if not path.is_dir():
@@ -461,25 +482,34 @@ def read_manifest(path: str | Path) -> Manifest:
         raise BundleError(f"{manifest_path}: missing; {path} is not a specdeploy bundle (run `specdeploy export`)")
     if manifest_path.stat().st_size > MANIFEST_BYTES:
         raise BundleError(f"{manifest_path}: {manifest_path.stat().st_size} bytes, more than a manifest's {MANIFEST_BYTES}")
+    data = manifest_path.read_bytes()
     try:
-        raw = json.loads(manifest_path.read_bytes().decode("utf-8"))
+        raw = json.loads(data.decode("utf-8"))
     except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError, and integers past Python's digit limit
         raise BundleError(f"{manifest_path}: not valid JSON ({str(e)[:120]})") from None
     except RecursionError:
         raise BundleError(f"{manifest_path}: not a manifest (JSON nested too deeply)") from None
-    return Manifest.from_dict(raw, str(manifest_path))
+    return Manifest.from_dict(raw, str(manifest_path)), "sha256:" + hashlib.sha256(data).hexdigest()
 
 
-def load_bundle(path: str | Path, verify: bool = True) -> Bundle:
-    """Read and check a bundle: format version, fields, and (by default) the sha256 of every file."""
-    bundle = Bundle(Path(path), read_manifest(path))
+def load_bundle(path: str | Path, verify: bool = True, digest: str | None = None) -> Bundle:
+    """Read and check a bundle: format version, fields, and (by default) the size and sha256
+    of every file. `digest` (as `specdeploy inspect` prints it): the bundle must be that one,
+    its manifest included (the checksums cover every other file)."""
+    manifest, actual = _read_manifest(path)
+    if digest is not None and digest != actual:
+        raise BundleError(f"{path}: bundle digest {actual} is not the {str(digest)[:80]} required; "
+                          "the bundle was changed or is another one")
+    bundle = Bundle(Path(path), manifest, actual)
     if verify:
-        verify_files(bundle.path, bundle.manifest.files)
+        verify_files(bundle.path, manifest.files, sizes=manifest.sizes)
     return bundle
 
 
-def verify_files(folder: Path, files: dict[str, str], rebuild_hint: str = "re-export the bundle") -> None:
-    """Every listed file is present, inside `folder`, with the sha256 the manifest records."""
+def verify_files(folder: Path, files: dict[str, str], rebuild_hint: str = "re-export the bundle",
+                 sizes: dict[str, int] | None = None) -> None:
+    """Every listed file is present, inside `folder`, with the size (where recorded) and the
+    sha256 the manifest records; sizes first, so that no file of the wrong size is read."""
     inside = Path(folder).resolve()
     for name, expected in files.items():
         f = Path(folder) / bundle_file_name(name, str(folder))
@@ -487,6 +517,12 @@ def verify_files(folder: Path, files: dict[str, str], rebuild_hint: str = "re-ex
             raise BundleError(f"bundle file {f} links outside the bundle folder; {rebuild_hint}")
         if not f.is_file():
             raise BundleError(f"bundle file {f} is missing; {rebuild_hint}")
+        size = (sizes or {}).get(name)
+        if size is not None and f.stat().st_size != size:
+            raise BundleError(f"bundle file {f} failed its checksum ({f.stat().st_size} bytes, the manifest says {size}; "
+                              f"not read): it was altered after export; {rebuild_hint}")
+    for name, expected in files.items():
+        f = Path(folder) / name
         actual = sha256_file(f)
         if actual != expected:
             raise BundleError(

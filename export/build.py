@@ -25,7 +25,7 @@ import torch
 from specdeploy.core.errors import BundleError, ExportError
 from specdeploy.core.graph_io import LOGITS_ROWS, io_names, kv_names
 from specdeploy.core.choices import DTYPES, KV_DTYPE, QUANT_SCHEMES
-from specdeploy.core.manifest import ATTENTIONS, FORMAT, MANIFEST, Manifest, ModelSpec, TokenizerEntry, checksums, write_manifest
+from specdeploy.core.manifest import ATTENTIONS, FORMAT, MANIFEST, Manifest, ModelSpec, TokenizerEntry, checksums, file_sizes, write_manifest
 
 from .drafts import parse_draft
 from .graph import SpecGraph, restrict_head
@@ -357,7 +357,8 @@ def build_bundle(
             tokenizer=tokenizer_entry(target_source, work),
             export_seconds=round(time.perf_counter() - started, 1),
         )
-        manifest = manifest.replace(files=checksums(work, [p.name for p in work.iterdir() if p.is_file()]))
+        names = [p.name for p in work.iterdir() if p.is_file()]
+        manifest = manifest.replace(files=checksums(work, names), sizes=file_sizes(work, names))
         write_manifest(work, manifest)
     log(f"bundle written to {out} in {time.perf_counter() - started:.0f}s")
     return manifest

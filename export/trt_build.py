@@ -269,6 +269,7 @@ def build_engines(
         manifest = manifest.replace(
             models={**manifest.models, role: entry.replace(trt=record)},
             files={**manifest.files, plan_path.name: sha256_file(plan_path)},
+            sizes={**manifest.sizes, plan_path.name: plan_path.stat().st_size},
         )
         log(f"  {role}: {plan_path.name} written in {record['build_seconds']:.0f}s")
     if cache is not None:
@@ -283,7 +284,7 @@ def _verify_sources(bundle) -> None:
     plans = {m.trt["plan"] for m in bundle.manifest.models.values() if m.trt}
     files = {name: sha for name, sha in bundle.manifest.files.items() if name not in plans}
     try:
-        verify_files(bundle.path, files)
+        verify_files(bundle.path, files, sizes={n: s for n, s in bundle.manifest.sizes.items() if n in files})
     except BundleError as e:
         raise ExportError(str(e)) from None
 

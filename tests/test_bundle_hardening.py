@@ -43,7 +43,12 @@ def edit_manifest(path: Path, change) -> None:
 
 
 def rehash(path: Path, name: str) -> None:
-    edit_manifest(path, lambda m: m["files"].__setitem__(name, sha256_file(path / name)))
+    """What a tamperer who knows the format does: the file's checksum and size made to match."""
+    def change(m):
+        m["files"][name] = sha256_file(path / name)
+        m.setdefault("sizes", {})[name] = (path / name).stat().st_size
+
+    edit_manifest(path, change)
 
 
 # -- the manifest's schema -----------------------------------------------------------------------

@@ -495,6 +495,7 @@ def _strip_argmax(bundle_dir: Path, roles, record: bool = False) -> None:
         del plan["network"]
         plan_path.write_text(json.dumps(plan))
         manifest["files"][entry["plan"]] = sha256_file(plan_path)
+        manifest["sizes"][entry["plan"]] = plan_path.stat().st_size
     manifest_path.write_text(json.dumps(manifest, indent=2))
 
 

@@ -15,6 +15,7 @@ def describe(bundle: Bundle) -> str:
     m = bundle.manifest
     lines = [
         f"bundle      {bundle.path}",
+        f"digest      {bundle.digest} (pins the manifest and, through its checksums, every file)",
         f"format      {FORMAT} v{m.format_version}, {m.created_by}, {m.created_at or '?'}",
         f"sequence    max {m.max_seq} tokens (prompt + new), draft up to {m.max_draft} per round, "
         f"prefill chunk {m.prefill_chunk}",
