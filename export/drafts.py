@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Callable, Protocol
 
 from specdeploy.core.errors import ExportError
+from specdeploy.core.choices import DTYPES
 from specdeploy.core.manifest import DraftEntry, ModelSpec, one_class_per_draft_kind
 
 from .load import Source, load_source, same_tokenizer
@@ -109,8 +110,6 @@ class SelfDraft:
     def parse(cls, text: str) -> "SelfDraft | None":
         if not text.startswith("self:"):
             return None
-        from .onnx_export import DTYPES
-
         usage = f"--draft {text!r}: expected self:layers=N (N >= 1), self:dtype=D (D one of {', '.join(DTYPES)}) or both, comma separated"
         fields = {}
         for part in text[len("self:"):].split(","):
