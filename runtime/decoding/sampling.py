@@ -10,12 +10,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from specdeploy.core.errors import InputError
+from specdeploy.runtime.decoding.request import check_setting
 
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """temperature 0 is greedy; top_k 0 and top_p 1 switch those filters off."""
+    """temperature 0 is greedy; top_k 0 and top_p 1 switch those filters off. Checked by the
+    request schema's rules for these settings (runtime/decoding/request.py)."""
 
     temperature: float = 0.0
     top_k: int = 0
@@ -23,14 +24,8 @@ class SamplingParams:
     seed: int | None = None
 
     def __post_init__(self):
-        if not (0.0 <= self.temperature <= 100.0) or self.temperature != self.temperature:
-            raise InputError(f"temperature {self.temperature} is outside [0, 100]")
-        if self.top_k < 0:
-            raise InputError(f"top-k {self.top_k} must be >= 0 (0: off)")
-        if not (0.0 < self.top_p <= 1.0):
-            raise InputError(f"top-p {self.top_p} is outside (0, 1]")
-        if self.seed is not None and not 0 <= self.seed < 1 << 64:
-            raise InputError(f"seed {self.seed} is outside [0, 2**64)")
+        for name in ("temperature", "top_k", "top_p", "seed"):
+            check_setting(name, getattr(self, name), None)  # their rules need no limits
 
     @property
     def greedy(self) -> bool:

@@ -1,10 +1,11 @@
 """What a service embeds: load a bundle once, then stream or collect generations."""
 from __future__ import annotations
 
+import functools
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Mapping
 
 import numpy as np
 
@@ -16,6 +17,9 @@ from specdeploy.runtime.backends.ort import settle_thread_pool, thread_pool_choi
 from specdeploy.runtime.decoding.drafters import make_drafter
 from specdeploy.runtime.decoding.loop import DecodeSettings, PromptCache, decode
 from specdeploy.runtime.decoding.policy import DraftLength, TreeSize
+from specdeploy.runtime.decoding.request import (
+    MAX_TREE_NODES, WORDS, Limits, Request, RequestError, fit, validate,
+)
 from specdeploy.runtime.decoding.stats import Stats, finish_reason
 from specdeploy.runtime.decoding.sampling import SamplingParams
 from specdeploy.runtime.decoding.stops import StopMatcher
@@ -189,28 +193,29 @@ class Session:
         return self.tokenizer.encode_messages(messages, add_generation_prompt=True,
                                               allow_special_in_content=allow_special_in_content)
 
+    # -- requests ------------------------------------------------------------------------
+    @functools.cached_property
+    def limits(self) -> Limits:
+        """What this session's requests are checked against (the request schema's Limits)."""
+        return Limits.of(self)
+
+    def prepare(self, req: Request, labels: Mapping[str, str] = WORDS) -> Request:
+        """A validated request with its prompt as token ids (through the chat template when it
+        asks) and its new tokens resolved, checked against the max sequence (request.fit);
+        errors name the fields as `labels` does."""
+        if req.prompt_ids is not None:
+            ids = req.prompt_ids
+        elif req.messages is not None:
+            ids = self.encode_messages([m._asdict() for m in req.messages])
+        else:
+            ids = self.encode(req.prompt, req.chat)
+        return fit(req, ids, self.limits, labels)
+
     def check_request(self, prompt_ids: np.ndarray, max_new_tokens: int, draft_len: int) -> None:
-        max_seq = self.bundle.max_seq
-        n = prompt_ids.shape[0]
-        if n == 0:
-            raise InputError("the prompt is empty: give at least one token")
-        if max_new_tokens < 1:
-            raise InputError(f"max new tokens must be at least 1, got {max_new_tokens}")
-        if not 0 <= draft_len <= self.bundle.max_draft:
-            raise InputError(f"draft length {draft_len} is outside [0, {self.bundle.max_draft}] (the bundle's max draft)")
-        vocab = self.target.vocab_size
-        bad = np.flatnonzero((prompt_ids < 0) | (prompt_ids >= vocab))
-        if bad.size:
-            i = int(bad[0])
-            raise InputError(f"token id {int(prompt_ids[i])} at prompt position {i} is outside the vocabulary [0, {vocab})")
-        if n + max_new_tokens > max_seq:
-            raise InputError(
-                f"prompt of {n} tokens + {max_new_tokens} new tokens exceeds the bundle's max sequence of {max_seq} "
-                f"(at most {max_seq - n} new tokens fit; shorten the prompt or re-export with a larger --max-seq)"
-                if n < max_seq
-                else f"prompt of {n} tokens is longer than the bundle's max sequence of {max_seq} "
-                f"(at most {max_seq - 1} prompt tokens; re-export with a larger --max-seq)"
-            )
+        """What `stream` checks of prompt token ids, new tokens and a draft length."""
+        req = validate(dict(prompt_ids=_as_ids(prompt_ids), max_new_tokens=max_new_tokens, draft_len=draft_len),
+                       self.limits)
+        self.prepare(req)
 
     # -- generation ----------------------------------------------------------------------
     def stream(
@@ -239,22 +244,36 @@ class Session:
         private: the drafter draws only on this request's own text, and keeps none of it for
         later requests (a shared suffix index).
         temperature 0 is greedy; with a seed, sampling replays exactly.
+
+        The arguments are checked by the request schema (runtime/decoding/request.py) before
+        anything else: what a server refuses, this refuses.
         """
-        if (prompt is None) == (prompt_ids is None):
-            raise InputError("give either a prompt text or prompt token ids")
-        ids = _as_ids(self.encode(prompt, chat) if prompt is not None else prompt_ids)
-        params = SamplingParams(temperature, top_k, top_p, seed)
-        if draft_len in (None, "auto"):
+        req = validate(dict(
+            prompt=prompt, prompt_ids=None if prompt_ids is None else _as_ids(prompt_ids), chat=chat,
+            max_new_tokens=max_new_tokens, draft_len=_auto_or_int(draft_len, "draft_len"), speculate=speculate,
+            temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, stop=stop,
+            tree_nodes=_auto_or_int(tree_nodes, "tree_nodes"), private=private,
+        ), self.limits)
+        return self.start(req)
+
+    def start(self, req: Request) -> Generation:
+        """Start the generation of a request `validate` passed against this session's limits (a
+        server's, checked before it waited for a session); `stream` takes the same as arguments."""
+        req = self.prepare(req)
+        ids = np.asarray(req.prompt_ids, dtype=np.int64)
+        max_new_tokens, draft_len, tree_nodes, speculate = req.max_new_tokens, req.draft_len, req.tree_nodes, req.speculate
+        private, stop = req.private, req.stop
+        params = SamplingParams(req.temperature, req.top_k, req.top_p, req.seed)
+        if draft_len == "auto":
             cost = self.drafter.cost_ratio if self.drafter is not None else 0.0
             lengths = DraftLength(self.bundle.max_draft, cost_ratio=cost, measure=params.greedy)
             if speculate:
                 lengths.carry_from(self._auto)
             k = self.bundle.max_draft
         else:
-            k = _as_int(draft_len, "draft length")
+            k = draft_len
             lengths = DraftLength(self.bundle.max_draft, fixed=k)
         drafter = self.drafter if speculate and k > 0 else None
-        self.check_request(ids, max_new_tokens, k)
         tree = self._tree_policy(tree_nodes, draft_len, drafter, params) if drafter is not None else None
         if tree is not None:
             lengths = DraftLength(k, fixed=k)  # the tree's depth
@@ -302,9 +321,7 @@ class Session:
         """The tree policy of a request: tree rounds, or a model-free drafter's chains under auto
         (looked up before their length is chosen); None for chain rounds DraftLength sizes."""
         auto = tree_nodes in (None, "auto")
-        n = None if auto else _as_int(tree_nodes, "tree nodes")
-        if n is not None and not 1 <= n <= MAX_TREE_NODES:
-            raise InputError(f"tree nodes {n} is outside [1, {MAX_TREE_NODES}] (1: chains)")
+        n = None if auto else tree_nodes  # in [1, the limit]: the request schema checked it
         draft_auto = draft_len in (None, "auto")
         if n == 1 or (auto and not draft_auto) or (auto and not self.tree_capable()):
             if draft_auto and drafter.engine is None:
@@ -333,19 +350,22 @@ class Session:
         return Result("".join(texts), ids, gen.stats)
 
 
-MAX_TREE_NODES = 32  # the most nodes a tree round verifies (a pass of 33 tokens)
-
-
-def _as_ids(values) -> np.ndarray:
-    """Prompt token ids as int64 [n]; ids past int64 (or not integers) are a one-line error."""
+def _as_ids(values) -> tuple[int, ...]:
+    """Prompt token ids, an array or a sequence, as the schema takes them (a tuple it checks)."""
     try:
-        return np.asarray(values, dtype=np.int64).reshape(-1)
-    except (OverflowError, TypeError, ValueError):
-        raise InputError("prompt token ids must be integers in [0, the vocabulary size)") from None
+        return tuple(values.reshape(-1).tolist() if isinstance(values, np.ndarray) else values)
+    except TypeError:  # not a sequence
+        raise RequestError("prompt token ids must be integers in [0, the vocabulary size)", "prompt_ids") from None
 
 
-def _as_int(value, what: str) -> int:
+def _auto_or_int(value, field: str):
+    """A draft length or a tree size as the schema takes it: "auto" (or None), an integer given
+    as text (a command line's) read as one; anything else as given, for the schema to check."""
+    if value is None or isinstance(value, str) and value == "auto":
+        return "auto"
+    if not isinstance(value, str):
+        return value
     try:
         return int(value)
-    except (TypeError, ValueError):
-        raise InputError(f"{what} {value!r}: expected an integer or 'auto'") from None
+    except ValueError:
+        raise RequestError(f"{WORDS[field]} {value!r}: expected an integer or 'auto'", field) from None
