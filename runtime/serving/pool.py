@@ -14,8 +14,10 @@ import threading
 import time
 import weakref
 from pathlib import Path
+from typing import Callable
 
 from specdeploy.core.errors import SpecdeployError
+from specdeploy.runtime.decoding.request import Request
 from specdeploy.runtime.decoding.session import Generation, Result, Session
 
 POLL_SECONDS = 0.05  # how often a waiting request looks at its cancel event
@@ -113,9 +115,16 @@ class SessionPool:
         """Like Session.stream; the session returns to the pool when the generation ends,
         is cancelled or closed. `cancel`: an event that, set while the request waits for a
         session, makes it give up its place (`Cancelled`)."""
+        return self._run(lambda session: session.stream(prompt, **kwargs), cancel)
+
+    def start(self, req: Request, cancel: threading.Event | None = None) -> Generation:
+        """Like Session.start (a request `validate` passed), returning its session as `stream` does."""
+        return self._run(lambda session: session.start(req), cancel)
+
+    def _run(self, begin: Callable[[Session], Generation], cancel: threading.Event | None) -> Generation:
         session = self.acquire(cancel)
         try:
-            gen = session.stream(prompt, **kwargs)
+            gen = begin(session)
         except BaseException:
             self.release(session)
             raise

@@ -35,18 +35,16 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from specdeploy.core.errors import InputError, SpecdeployError
+from specdeploy.runtime.decoding.request import (
+    NUMBER, SETTINGS, Limits, Message, Request, RequestError, validate, wire_labels, wire_names,
+)
 from specdeploy.runtime.serving.pool import Cancelled, Overloaded, QueueTimeout, SessionPool
-from specdeploy.runtime.decoding.session import MAX_TREE_NODES
-from specdeploy.runtime.decoding.tokenizer import check_text
 
 log = logging.getLogger("specdeploy.server")
 
 FINISH = {"eos": "stop", "stop": "stop", "length": "length", "cancelled": "stop", "": None}
 DEFAULT_MAX_BODY_BYTES = 4 << 20  # 4 MiB: a max_seq of 8k tokens as JSON-escaped non-ASCII text still fits
-CHARS_PER_TOKEN = 64  # at least; the bound on a prompt's characters is max_seq times this (see below)
 DEFAULT_GRACEFUL_SECONDS = 10.0
-DEFAULT_MAX_TOKENS = {False: 16, True: 256}  # completions, chat: when a request gives no max_tokens (capped to fit)
-SEED_MAX = 2**64 - 1
 
 
 class BadRequest(InputError):
@@ -61,6 +59,10 @@ class TooLarge(InputError):
 
 # -- request validation -------------------------------------------------------------------
 
+NAMES = wire_names("prompt")  # a request field -> its name in a body (the `param` of a 400)
+LABELS = wire_labels("prompt")
+
+
 def _field(body: dict, name: str, kinds: tuple, default: Any, what: str) -> Any:
     value = body.get(name, default)
     if value is None:
@@ -71,126 +73,52 @@ def _field(body: dict, name: str, kinds: tuple, default: Any, what: str) -> Any:
     return value
 
 
-def _number(body: dict, name: str, default: float, low: float, high: float, low_open: bool = False) -> float:
-    value = _field(body, name, (int, float), default, "a number")
-    try:
-        number = float(value)
-    except OverflowError:  # an integer past a float's range
-        number = float("inf") if value > 0 else float("-inf")
-    inside = (low < number if low_open else low <= number) and number <= high  # NaN is never inside
-    if not inside:
-        shown = str(number) if abs(number) < 1e300 else f"{str(value)[:20]}..."
-        raise BadRequest(f"'{name}' {shown} is outside {'(' if low_open else '['}{low:g}, {high:g}]", name)
-    return number
+def _json_number(value: Any) -> Any:
+    """JSON has one kind of number: an integer given for a number is a float (one past a
+    float's range stays as given, and its field's range refuses it)."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        try:
+            return float(value)
+        except OverflowError:
+            return value
+    return value
 
 
-def _text(value: str, name: str) -> str:
-    """Text must be encodable: JSON's \\ud800 escapes (and UTF-8-encoded surrogates, which
-    Python's json accepts) give lone surrogates, which no tokenizer takes."""
-    try:
-        return check_text(value, f"'{name}'")
-    except InputError as e:
-        raise BadRequest(str(e), name) from None
-
-
-def prompt_char_limit(pool: SessionPool) -> int:
-    """The most characters a prompt that fits in the bundle's max sequence can have: max_seq
-    tokens of at most `CHARS_PER_TOKEN` characters, or of the vocabulary's longest token if
-    longer (a byte-level or SentencePiece token's vocabulary string is at least as long as
-    the text it stands for). A tokenizer that drops characters (a whitespace pre-tokenizer)
-    could fit more; such a prompt gets the same 400."""
-    return pool.bundle.max_seq * max(CHARS_PER_TOKEN, pool.tokenizer.longest_token_chars())
-
-
-def parse_request(
-    body: Any, chat: bool, max_seq: int, *, max_chars: int | None = None, vocab: int | None = None,
-    max_draft: int | None = None,
-) -> dict:
-    """A validated request: prompt (text, ids or messages) and generation settings. Cheap:
-    nothing here tokenizes, and each check names the field at fault."""
+def parse_request(body: Any, chat: bool, limits: Limits) -> tuple[Request, bool]:
+    """(the validated request, whether its answer streams). The body's fields are mapped to
+    the request schema's (OpenAI's names: `max_tokens`) and checked by its one `validate`.
+    Cheap: nothing here tokenizes, and each error names the field at fault."""
     if not isinstance(body, dict):
         raise BadRequest("the request body must be a JSON object")
-    max_chars = max_chars if max_chars is not None else max_seq * CHARS_PER_TOKEN
-    req: dict[str, Any] = {}
+    given: dict[str, Any] = {}
     if chat:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise BadRequest("'messages' must be a non-empty array of {role, content} objects", "messages")
-        if len(messages) >= max_seq:  # every turn costs the template at least one token
-            raise BadRequest(f"'messages' holds {len(messages)} turns; at most {max_seq - 1} fit in the bundle's max "
-                             f"sequence of {max_seq} tokens", "messages")
-        chars = 0
         for i, m in enumerate(messages):
             if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
                 raise BadRequest(f"'messages[{i}]' must be an object with string 'role' and 'content'", "messages")
-            _text(m["role"], "messages")
-            _text(m["content"], "messages")
-            chars += len(m["role"]) + len(m["content"])
-        if chars > max_chars:
-            raise BadRequest(
-                f"'messages' hold {chars} characters; at most {max_chars} can fit in the bundle's max sequence of "
-                f"{max_seq} tokens", "messages")
-        req["messages"] = [{"role": m["role"], "content": m["content"]} for m in messages]
+        given["messages"] = tuple(Message(m["role"], m["content"]) for m in messages)
     else:
         prompt = body.get("prompt")
         if isinstance(prompt, str):
-            if len(prompt) > max_chars:
-                raise BadRequest(
-                    f"'prompt' has {len(prompt)} characters; at most {max_chars} can fit in the bundle's max sequence "
-                    f"of {max_seq} tokens", "prompt")
-            req["prompt"] = _text(prompt, "prompt")
-        elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            if len(prompt) >= max_seq:
-                raise BadRequest(
-                    f"'prompt' of {len(prompt)} tokens is longer than the bundle's max sequence of {max_seq} "
-                    f"(at most {max_seq - 1} prompt tokens)", "prompt")
-            top = vocab if vocab is not None else 2**63
-            for i, t in enumerate(prompt):
-                if not 0 <= t < top:
-                    shown = str(t) if len(str(t)) <= 24 else f"{str(t)[:20]}..."
-                    raise BadRequest(
-                        f"'prompt': token id {shown} at prompt position {i} is outside the vocabulary [0, {top})", "prompt")
-            req["prompt_ids"] = prompt
+            given["prompt"] = prompt
+        elif isinstance(prompt, list) and prompt:
+            given["prompt_ids"] = prompt
         else:
             raise BadRequest("'prompt' must be a string or a non-empty array of token ids", "prompt")
-    # absent (None): the default, or what fits after the prompt (set once it is tokenized)
-    req["max_new_tokens"] = _field(body, "max_tokens", (int,), None, "an integer")
-    if req["max_new_tokens"] is not None and not 1 <= req["max_new_tokens"] <= max_seq:
-        shown = str(req["max_new_tokens"])[:24]
-        raise BadRequest(f"'max_tokens' {shown} is outside [1, {max_seq}]", "max_tokens")
-    req["temperature"] = _number(body, "temperature", 1.0, 0.0, 2.0)
-    req["top_p"] = _number(body, "top_p", 1.0, 0.0, 1.0, low_open=True)
-    req["top_k"] = _field(body, "top_k", (int,), 0, "an integer")
-    if req["top_k"] < 0:
-        raise BadRequest(f"'top_k' {str(req['top_k'])[:24]} must be >= 0", "top_k")
-    req["seed"] = _field(body, "seed", (int,), None, "an integer")
-    if req["seed"] is not None and not 0 <= req["seed"] <= SEED_MAX:
-        shown = str(req["seed"]) if len(str(req["seed"])) <= 24 else f"{str(req['seed'])[:20]}..."
-        raise BadRequest(f"'seed' {shown} is outside [0, 2**64 - 1]", "seed")
-    stop = _field(body, "stop", (str, list), [], "a string or an array of strings")
-    stop = [stop] if isinstance(stop, str) else stop
-    if len(stop) > 4 or not all(isinstance(s, str) and s for s in stop):
-        raise BadRequest("'stop' must be at most 4 non-empty strings", "stop")
-    if sum(map(len, stop)) > max_chars:
-        raise BadRequest(f"'stop' strings are longer than {max_chars} characters in all", "stop")
-    req["stop"] = [_text(s, "stop") for s in stop]
-    req["draft_len"] = _field(body, "draft_len", (int, str), "auto", "an integer or 'auto'")
-    if isinstance(req["draft_len"], str) and req["draft_len"] != "auto":
-        raise BadRequest("'draft_len' must be an integer or 'auto'", "draft_len")
-    if isinstance(req["draft_len"], int) and max_draft is not None and not 0 <= req["draft_len"] <= max_draft:
-        shown = str(req["draft_len"])[:24]
-        raise BadRequest(f"'draft_len' {shown} is outside [0, {max_draft}] (the bundle's max draft)", "draft_len")
-    req["tree_nodes"] = _field(body, "tree_nodes", (int, str), "auto", "an integer or 'auto'")
-    if isinstance(req["tree_nodes"], str) and req["tree_nodes"] != "auto":
-        raise BadRequest("'tree_nodes' must be an integer or 'auto'", "tree_nodes")
-    if isinstance(req["tree_nodes"], int) and not 1 <= req["tree_nodes"] <= MAX_TREE_NODES:
-        shown = str(req["tree_nodes"])[:24]
-        raise BadRequest(f"'tree_nodes' {shown} is outside [1, {MAX_TREE_NODES}] (1: chains)", "tree_nodes")
-    req["private"] = _field(body, "private", (bool,), False, "a boolean")
-    req["stream"] = _field(body, "stream", (bool,), False, "a boolean")
+    for name, s in SETTINGS.items():
+        value = body.get(s.wire) if s.wire is not None else None
+        if value is not None:  # JSON null: absent, the default
+            given[name] = _json_number(value) if s.kind is NUMBER else value
+    try:
+        req = validate(given, limits, LABELS)
+    except RequestError as e:
+        raise BadRequest(str(e), NAMES[e.field]) from None
+    stream = _field(body, "stream", (bool,), False, "a boolean")
     if _field(body, "n", (int,), 1, "an integer") != 1:
         raise BadRequest("only 'n' = 1 is supported", "n")
-    return req
+    return req, stream
 
 
 def _parse_json(raw: bytes) -> Any:
@@ -299,10 +227,7 @@ def create_app(
     max_prompt_chars: int | None = None,
 ) -> Starlette:
     metrics = Metrics()
-    max_seq = pool.bundle.max_seq
-    max_chars = max_prompt_chars if max_prompt_chars is not None else prompt_char_limit(pool)
-    vocab = pool.session.target.vocab_size
-    limits = dict(max_chars=max_chars, vocab=vocab, max_draft=pool.bundle.max_draft)
+    limits = Limits.of(pool.session, max_chars=max_prompt_chars)  # the prompt's characters: see Limits.of
     limiter: list[anyio.CapacityLimiter] = []  # made on the event loop, at the first request
 
     def acquire_limiter() -> anyio.CapacityLimiter:
@@ -318,9 +243,9 @@ def create_app(
         started = time.perf_counter()
         try:
             body = _parse_json(await _read_body(request, max_body_bytes))
-            req = parse_request(body, chat, max_seq, **limits)
+            req, stream = parse_request(body, chat, limits)
             pool.check_capacity()  # before the template and the tokenizer
-            await run_in_threadpool(_encode, pool, req, chat)
+            req = await run_in_threadpool(_encode, pool, req)
         except TooLarge as e:
             outcome("413")
             return _error(413, str(e), "invalid_request_error", None, {"connection": "close"})
@@ -340,7 +265,7 @@ def create_app(
             log.exception("unexpected error while reading a request")
             outcome("500")
             return _error(500, f"internal error ({type(e).__name__})", "server_error")
-        return _Run(pool, metrics, outcome, req, chat, model_name, started, acquire_limiter())
+        return _Run(pool, metrics, outcome, req, stream, chat, model_name, started, acquire_limiter())
 
     async def health(request: Request) -> Response:
         return JSONResponse({"status": "stopping" if pool.closing.is_set() else "ok", "model": model_name,
@@ -387,29 +312,13 @@ def create_app(
     )
 
 
-def _encode(pool: SessionPool, req: dict, chat: bool) -> None:
+def _encode(pool: SessionPool, req: Request) -> Request:
     """In a worker thread: the chat template and the tokenizer, then the length checks that
     need the token count, each naming its field."""
-    if chat:
-        req["prompt_ids"] = pool.session.encode_messages(req.pop("messages"))
-        field = "messages"
-    elif "prompt" in req:
-        req["prompt_ids"] = pool.session.encode(req.pop("prompt"))
-        field = "prompt"
-    else:
-        field = "prompt"
-    n, max_seq = len(req["prompt_ids"]), pool.bundle.max_seq
-    if req["max_new_tokens"] is None:
-        req["max_new_tokens"] = max(1, min(DEFAULT_MAX_TOKENS[chat], max_seq - n))
-    new = req["max_new_tokens"]
-    if n == 0:
-        raise BadRequest(f"'{field}' is empty: it gives no tokens", field)
-    if n >= max_seq:
-        raise BadRequest(f"'{field}' of {n} tokens is longer than the bundle's max sequence of {max_seq} "
-                         f"(at most {max_seq - 1} prompt tokens)", field)
-    if n + new > max_seq:
-        raise BadRequest(f"prompt of {n} tokens + {new} new tokens exceeds the bundle's max sequence of {max_seq} "
-                         f"(at most {max_seq - n} new tokens fit)", "max_tokens")
+    try:
+        return pool.session.prepare(req, LABELS)
+    except RequestError as e:
+        raise BadRequest(str(e), NAMES[e.field]) from None
 
 
 class _Run:
@@ -418,10 +327,9 @@ class _Run:
     client's disconnect. Nothing is sent before the first round has run, so a failure up to
     there is a JSON error with its own status, never a 200 cut short."""
 
-    def __init__(self, pool, metrics, outcome, req, chat, model_name, started, limiter):
+    def __init__(self, pool, metrics, outcome, req: Request, stream: bool, chat, model_name, started, limiter):
         self.pool, self.metrics, self.outcome, self.req, self.chat = pool, metrics, outcome, req, chat
-        self.started, self.limiter = started, limiter
-        self.stream = req.pop("stream")
+        self.started, self.limiter, self.stream = started, limiter, stream
         self.base = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}", "created": int(time.time()),
                      "model": model_name}
         self.cancel = threading.Event()  # set when the client leaves
@@ -471,10 +379,9 @@ class _Run:
         await self._json(send, status, _error_body(message, kind, param), headers)
 
     async def _run(self, send) -> None:
-        req = dict(self.req)
         try:
             self.gen = gen = await anyio.to_thread.run_sync(
-                functools.partial(self.pool.stream, cancel=self.cancel, **req), limiter=self.limiter)
+                functools.partial(self.pool.start, self.req, cancel=self.cancel), limiter=self.limiter)
         except Cancelled:
             self.outcome("cancelled")
             return

@@ -22,7 +22,7 @@ import importlib.util
 import json
 import os
 import shutil
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -31,14 +31,14 @@ import numpy as np
 from specdeploy.core.errors import InputError, SpecdeployError
 from specdeploy.core.manifest import load_bundle
 
-from specdeploy.runtime.decoding.tokenizer import check_text
+from specdeploy.runtime.decoding.request import (
+    SETTINGS, STRINGS, Limits, Request, validate, wire_labels, wire_names,
+)
 
 BACKENDS = ("ort", "torch", "trt")  # ort runs on the CPU here; torch and trt on the instance's GPU
 GPU_BACKENDS = ("torch", "trt")
 DEFAULT_MAX_QUEUE = 8
 MAX_INSTANCES = 256
-CHARS_PER_TOKEN = 64  # as `specdeploy serve`: a prompt's characters are bounded before tokenizing
-DEFAULT_MAX_TOKENS = {False: 16, True: 256}  # as `specdeploy serve`, capped to what fits after the prompt
 MODEL_FILE = "model.py"
 VERSION = "1"
 BUNDLE_DIR = "bundle"  # inside the version folder, beside model.py
@@ -55,17 +55,15 @@ class Tensor:
     doc: str = ""
 
 
+# The prompt and how the answer is sent, then one optional input per setting of the request
+# schema (its names and data types are declared there).
 INPUTS = (
     Tensor("text_input", "TYPE_STRING", (1,), False, "the prompt (UTF-8)"),
     Tensor("chat", "TYPE_BOOL", (1,), True, "wrap text_input in the bundle's chat template as a user message"),
     Tensor("stream", "TYPE_BOOL", (1,), True, "a response per round (default false: one response at the end)"),
-    Tensor("max_tokens", "TYPE_INT32", (1,), True, "new tokens (default 16, chat 256, capped to fit)"),
-    Tensor("temperature", "TYPE_FP64", (1,), True, "[0, 2]; 0 is greedy (default 1)"),
-    Tensor("top_k", "TYPE_INT32", (1,), True, ">= 0; 0 is off"),
-    Tensor("top_p", "TYPE_FP64", (1,), True, "(0, 1]; 1 is off"),
-    Tensor("seed", "TYPE_UINT64", (1,), True, "the same seed gives the same text"),
-    Tensor("stop", "TYPE_STRING", (-1,), True, "up to 4 stop strings; the text ends before the first"),
-    Tensor("draft_len", "TYPE_INT32", (1,), True, "draft tokens per round, [0, the bundle's max draft] (default auto)"),
+) + tuple(
+    Tensor(s.wire, s.triton, (-1,) if s.kind is STRINGS else (1,), True, s.doc)
+    for s in SETTINGS.values() if s.wire is not None
 )
 OUTPUTS = (
     Tensor("text_output", "TYPE_STRING", (-1,), doc="the text of this response (whole characters)"),
@@ -202,90 +200,66 @@ def select_gpu(device_id: int) -> None:
 
 # -- requests -------------------------------------------------------------------------------
 
+NAMES = wire_names("text_input")  # a request field -> the input that carries it
+LABELS = wire_labels("text_input")
+
+
 @dataclass(frozen=True)
-class Limits:
-    max_seq: int
-    max_draft: int
-    max_chars: int  # a longer prompt cannot fit in max_seq tokens: refused before tokenizing
+class TritonRequest:
+    """A validated Triton request: the schema's request, and whether its answer streams."""
 
-    @classmethod
-    def of(cls, session) -> "Limits":
-        b = session.bundle
-        return cls(b.max_seq, b.max_draft, b.max_seq * max(CHARS_PER_TOKEN, session.tokenizer.longest_token_chars()))
-
-
-@dataclass
-class Request:
-    """A validated request: the prompt and the keyword arguments of `Session.stream`."""
-
-    prompt: str
-    chat: bool = False
+    request: Request
     stream: bool = False
-    max_tokens: int | None = None  # None: the default, capped to what fits after the prompt
-    options: dict = field(default_factory=dict)  # temperature, top_k, top_p, seed, stop, draft_len
+
+    @property
+    def prompt(self) -> str:
+        return self.request.prompt
+
+    @property
+    def chat(self) -> bool:
+        return self.request.chat
+
+    @property
+    def max_tokens(self) -> int | None:
+        return self.request.max_new_tokens  # None: the default, capped to what fits after the prompt
+
+    @property
+    def options(self) -> dict:
+        """The sampling settings, the stop strings and the draft length, by their input names."""
+        r = self.request
+        return {"temperature": r.temperature, "top_p": r.top_p, "top_k": r.top_k, "seed": r.seed,
+                "stop": list(r.stop), "draft_len": r.draft_len}
 
 
-def parse_request(get: Callable[[str], np.ndarray | None], limits: Limits) -> Request:
-    """The request's inputs (`get(name)`: the array, or None when absent), validated with the
-    checks and messages of `specdeploy serve`, each naming its input. Triton has already
-    checked each input's data type and shape against config.pbtxt.
+def parse_request(get: Callable[[str], np.ndarray | None], limits: Limits) -> TritonRequest:
+    """The request's inputs (`get(name)`: the array, or None when absent) read into the request
+    schema's fields and checked by its one `validate`, as `specdeploy serve` checks a body, each
+    error naming its input. Triton has already checked each input's data type and shape
+    against config.pbtxt.
 
     >>> inputs = {"text_input": np.array([b"Hi"], dtype=object), "temperature": np.array([0.0])}
-    >>> parse_request(inputs.get, Limits(128, 8, 8192)).options["temperature"]
+    >>> parse_request(inputs.get, Limits(128, 8, 8192)).request.temperature
     0.0
     >>> parse_request({**inputs, "top_p": np.array([0.0])}.get, Limits(128, 8, 8192))
     Traceback (most recent call last):
     ...
-    specdeploy.core.errors.InputError: 'top_p' 0.0 is outside (0, 1]
+    specdeploy.runtime.decoding.request.RequestError: 'top_p' 0.0 is outside (0, 1]
     """
-    prompt = _text(_scalar(get, "text_input"), "text_input")
-    if len(prompt) > limits.max_chars:
-        raise InputError(f"'text_input' has {len(prompt)} characters; at most {limits.max_chars} can fit in the "
-                         f"bundle's max sequence of {limits.max_seq} tokens")
-    req = Request(prompt, chat=_flag(get, "chat"), stream=_flag(get, "stream"))
-    max_tokens = _scalar(get, "max_tokens")
-    if max_tokens is not None:
-        if not 1 <= max_tokens <= limits.max_seq:
-            raise InputError(f"'max_tokens' {max_tokens} is outside [1, {limits.max_seq}]")
-        req.max_tokens = int(max_tokens)
-    opts = req.options
-    opts["temperature"] = _number(get, "temperature", 1.0, 0.0, 2.0)
-    opts["top_p"] = _number(get, "top_p", 1.0, 0.0, 1.0, low_open=True)
-    top_k = _scalar(get, "top_k")
-    if top_k is not None and top_k < 0:
-        raise InputError(f"'top_k' {top_k} must be >= 0")
-    opts["top_k"] = int(top_k or 0)
-    seed = _scalar(get, "seed")  # UINT64: [0, 2**64 - 1] by its type
-    opts["seed"] = None if seed is None else int(seed)
-    stop = get("stop")
-    stop = [] if stop is None else [_text(s, "stop") for s in stop.reshape(-1)]
-    if len(stop) > 4 or not all(stop):
-        raise InputError("'stop' must be at most 4 non-empty strings")
-    if sum(map(len, stop)) > limits.max_chars:
-        raise InputError(f"'stop' strings are longer than {limits.max_chars} characters in all")
-    opts["stop"] = stop
-    draft_len = _scalar(get, "draft_len")
-    if draft_len is not None and not 0 <= draft_len <= limits.max_draft:
-        raise InputError(f"'draft_len' {draft_len} is outside [0, {limits.max_draft}] (the bundle's max draft)")
-    opts["draft_len"] = "auto" if draft_len is None else int(draft_len)
-    return req
+    given = {"prompt": _text(_scalar(get, "text_input"), "text_input"), "chat": _flag(get, "chat")}
+    for name, s in SETTINGS.items():
+        if s.wire is None:
+            continue
+        value = _strings(get, s.wire) if s.kind is STRINGS else _scalar(get, s.wire)
+        if value is not None:  # absent: the default
+            given[name] = value
+    return TritonRequest(validate(given, limits, LABELS), stream=_flag(get, "stream"))
 
 
-def encode(session, req: Request) -> tuple[list[int], int]:
-    """The prompt's token ids (through the chat template when asked) and the new tokens to
-    generate, with the length checks that need the token count (as `specdeploy serve`)."""
-    ids = session.encode(req.prompt, chat=req.chat)
-    n, max_seq = len(ids), session.bundle.max_seq
-    new = req.max_tokens if req.max_tokens is not None else max(1, min(DEFAULT_MAX_TOKENS[req.chat], max_seq - n))
-    if n == 0:
-        raise InputError("'text_input' is empty: it gives no tokens")
-    if n >= max_seq:
-        raise InputError(f"'text_input' of {n} tokens is longer than the bundle's max sequence of {max_seq} "
-                         f"(at most {max_seq - 1} prompt tokens)")
-    if n + new > max_seq:
-        raise InputError(f"'max_tokens': prompt of {n} tokens + {new} new tokens exceeds the bundle's max sequence "
-                         f"of {max_seq} (at most {max_seq - n} new tokens fit)")
-    return ids, new
+def encode(session, req: TritonRequest) -> Request:
+    """The request with its prompt's token ids (through the chat template when asked) and its
+    new tokens resolved, after the length checks that need the token count (as `specdeploy
+    serve`): what `Session.start` runs."""
+    return session.prepare(req.request, LABELS)
 
 
 def _scalar(get, name: str):
@@ -303,24 +277,21 @@ def _flag(get, name: str) -> bool:
     return bool(value) if value is not None else False
 
 
-def _text(value, name: str) -> str:
+def _strings(get, name: str) -> list[str] | None:
+    value = get(name)
+    return None if value is None else [_text(v, name) for v in value.reshape(-1)]
+
+
+def _text(value, name: str):
+    """A string input's text (its UTF-8 decoded; the schema checks the text)."""
     if value is None:
         raise InputError(f"'{name}' is missing")
     if isinstance(value, (bytes, np.bytes_)):
         try:
-            value = bytes(value).decode("utf-8")
+            return bytes(value).decode("utf-8")
         except UnicodeDecodeError as e:
             raise InputError(f"'{name}' is not valid UTF-8 (byte {e.start})") from None
-    return check_text(value, f"'{name}'")
-
-
-def _number(get, name: str, default: float, low: float, high: float, low_open: bool = False) -> float:
-    value = _scalar(get, name)
-    number = default if value is None else float(value)
-    inside = (low < number if low_open else low <= number) and number <= high  # NaN is never inside
-    if not inside:
-        raise InputError(f"'{name}' {number} is outside {'(' if low_open else '['}{low:g}, {high:g}]")
-    return number
+    return value
 
 
 # -- responses ------------------------------------------------------------------------------

@@ -35,7 +35,7 @@ class TritonPythonModel:
         if settings.backend == "ort":  # a process of its own: its target and draft take turns on one pool
             share_cpu_threads(settings.threads)
         self.session = Session(settings.bundle, threads=settings.threads, backend=settings.backend)
-        self.limits = triton.Limits.of(self.session)
+        self.limits = self.session.limits
         pb_utils.Logger.log_info(f"{args['model_instance_name']}: {settings.bundle} loaded ({settings.backend})")
 
     def execute(self, requests):
@@ -47,8 +47,7 @@ class TritonPythonModel:
     def _serve(self, request, sender):
         try:
             req = triton.parse_request(lambda name: _input(request, name), self.limits)
-            prompt_ids, new_tokens = triton.encode(self.session, req)
-            gen = self.session.stream(prompt_ids=prompt_ids, max_new_tokens=new_tokens, **req.options)
+            gen = self.session.start(triton.encode(self.session, req))
         except SpecdeployError as e:
             kind = pb_utils.TritonError.INVALID_ARG if isinstance(e, InputError) else pb_utils.TritonError.INTERNAL
             sender.send(_error(str(e), kind), flags=FINAL)
