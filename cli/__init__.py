@@ -102,7 +102,7 @@ def _share_threads(threads: int | None) -> None:
 @click.option("--dtype", type=click.Choice(DTYPES), default="int4", show_default=True,
               help="Target weights: fp32; fp16 (GPUs; KV cache fp16 too); int8/int4 (weight-only blocks, CPUs).")
 @click.option("--draft-dtype", type=click.Choice(DTYPES), default=None, help="Draft model weights.  [default: --dtype]")
-@click.option("--prefill-chunk", type=POSITIVE, default=64, show_default=True, help="Prompt tokens per prefill pass (at most --max-seq).")
+@click.option("--prefill-chunk", type=POSITIVE, default=None, help="Prompt tokens per prefill pass.  [default: 64, at most --max-seq]")
 @click.option("--attention", type=click.Choice(ATTENTIONS), default="exact", show_default=True,
               help="Target graph: exact (verify rows equal single steps bit for bit) or fused (ONNX Runtime's "
                    "GroupQueryAttention and fused norms; ONNX Runtime only; exact up to rounding).")

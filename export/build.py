@@ -34,6 +34,7 @@ from .onnx_export import PARITY_TEXT, TORCH_DTYPE, check_parity, export_onnx
 from .quantize import SCHEMES, quantize_model
 
 VERSION = "0.1.0"
+PREFILL_CHUNK = 64  # prompt tokens per prefill pass unless told (at most max_seq)
 # A draft graph that runs on ONNX Runtime only (int8/int4) takes the fused attention unless
 # told otherwise, and the source's own blocks: re-quantizing a GGUF's blocks drops the
 # draft's agreement with the target from 94% to 72% (README "Exact and fused graphs").
@@ -281,7 +282,7 @@ def build_bundle(
     max_seq: int = 1024,
     max_draft: int = 8,
     dtype: str = "fp32",
-    prefill_chunk: int = 64,
+    prefill_chunk: int | None = None,
     log: Callable[[str], None] = lambda _: None,
     draft_dtype: str | None = None,
     attention: str = "exact",
@@ -313,6 +314,8 @@ def build_bundle(
         raise ExportError(f"--max-seq {max_seq}: expected 2..131072")
     if not 1 <= max_draft <= 32 or max_draft >= max_seq:
         raise ExportError(f"--max-draft {max_draft}: expected 1..32 and below --max-seq")
+    if prefill_chunk is None:
+        prefill_chunk = min(PREFILL_CHUNK, max_seq)
     if not 1 <= prefill_chunk <= max_seq:
         raise ExportError(f"--prefill-chunk {prefill_chunk}: expected 1..{max_seq} (--max-seq)")
     check_out(out)
