@@ -77,9 +77,15 @@ def run_demo(
         _export(out, draft, dtype)
     session = Session(out, prompt_cache=False)  # every run prefills its prompt: a fair comparison
     for title, text in (("chat", prompt), ("grounded", grounded_prompt)):
-        if text:
-            click.echo(f"\n[{title}] > {text}\n")
-            click.echo(_race(session, text, max_new_tokens, draft_len, repeats))
+        if not text:
+            continue
+        click.echo(f"\n[{title}] > {text}\n")
+        need = len(session.encode(text, chat=True)) + max_new_tokens
+        if need > session.bundle.max_seq:
+            click.echo(f"skipped: its {need} tokens with the answer do not fit the bundle's max sequence of "
+                       f"{session.bundle.max_seq}")
+            continue
+        click.echo(_race(session, text, max_new_tokens, draft_len, repeats))
 
 
 def _race(session: Session, prompt: str, max_new_tokens: int, draft_len: int | str, repeats: int) -> str:

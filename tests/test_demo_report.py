@@ -27,3 +27,20 @@ def test_too_few_pairs_tell_nothing():
 
 def test_a_speedup_within_the_bound_is_stated():
     assert speedup_line([run(1.0)] * 3, [run(2.0), run(2.1), run(1.9)]).startswith("speedup      2.00x decoding")
+
+
+def test_the_demo_races_a_chat_and_a_grounded_prompt_on_one_bundle(bundles):
+    from click.testing import CliRunner
+
+    from specdeploy.cli import main
+
+    out = CliRunner().invoke(main, ["demo", "--out", str(bundles("llama-ngram")), "--draft", "ngram", "--dtype", "fp32",
+                                    "--max-new-tokens", "12", "--repeats", "3", "--prompt", "Tell me about the sea.",
+                                    "--grounded-prompt", "Repeat: the cat sat on the mat."])
+    assert out.exit_code == 0, out.output
+    assert "[chat] > Tell me about the sea." in out.output and "[grounded] > Repeat: the cat" in out.output
+    assert out.output.count("identical    yes: token for token, every run") == 2
+    assert out.output.count("median of 3 alternating pairs") == 2
+    skipped = CliRunner().invoke(main, ["demo", "--out", str(bundles("llama-ngram")), "--draft", "ngram", "--dtype",
+                                        "fp32", "--max-new-tokens", "120", "--repeats", "1", "--prompt", "Hi."])
+    assert skipped.exit_code == 0 and "[grounded]" in skipped.output and "skipped: its" in skipped.output
