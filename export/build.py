@@ -27,6 +27,7 @@ from specdeploy.core.graph_io import LOGITS_ROWS, io_names, kv_names
 from specdeploy.core.choices import DTYPES, KV_DTYPE, QUANT_SCHEMES
 from specdeploy.core.manifest import ATTENTIONS, FORMAT, MANIFEST, Manifest, ModelSpec, TokenizerEntry, checksums, file_sizes, write_manifest
 
+from .architectures import architecture, check_export
 from .drafts import parse_draft
 from .graph import SpecGraph, restrict_head
 from .load import Source, eos_token_ids, load_source, source_digest
@@ -144,9 +145,20 @@ def _alive(pid: int) -> bool:
 
 
 def model_window(cfg, max_seq: int) -> int | None:
-    """The sliding attention window of a model, None when it has none shorter than the buffer."""
-    window = getattr(cfg, "sliding_window", None) if cfg.model_type == "mistral" else None
+    """The sliding attention window of every layer of a model (the runtime's mask carries it),
+    None when it has none shorter than the buffer. Windows on some layers only (Gemma) the
+    graph applies itself (export/architectures.py)."""
+    window = architecture(cfg).runtime_window(cfg)
     return window if window and window < max_seq else None
+
+
+def check_layer_windows(cfg, max_seq: int, max_draft: int, what: str) -> None:
+    """A window the graph applies itself must exceed the longest draft: a tree's rows find
+    their ancestors by slot (export/graph.py, SpecGraph._window_mask)."""
+    for window in architecture(cfg).layer_windows(cfg):
+        if window is not None and window <= max_draft:
+            raise ExportError(f"{what}: config sliding_window {window}: at most --max-draft {max_draft}; "
+                              "choose a smaller --max-draft")
 
 
 def model_entry(graph: SpecGraph, source: Source, role: str, graph_file: str, dtype: str, max_seq: int) -> ModelSpec:
@@ -341,6 +353,8 @@ def build_bundle(
                     raise ExportError(f"--{'draft-' if role == 'draft' else ''}attention fused: {source.path} attends "
                                       f"through a sliding window of {window}, which the fused graph does not take; use exact")
                 model_attention = "exact"
+            check_export(source.config, model_dtype, model_attention, str(source.path))
+            check_layer_windows(source.config, max_seq, max_draft, str(source.path))
             graph = source_graph(source, model_dtype, num_layers, scheme)
             return _export_model(graph, source, role=role, dtype=model_dtype, attention=model_attention,
                                  full_model=full_model, **common)

@@ -31,7 +31,9 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from transformers.activations import ACT2FN
 
+from .architectures import Architecture, check_config
 from .ops import attention_reference, fused_attention_eager, group_query_attention, kv_write, rope_caches, rotary, skip_rms_norm
 
 
@@ -47,12 +49,15 @@ def kv_write_inplace(cache: torch.Tensor, update: torch.Tensor, write_indices: t
     return cache
 
 
-def rms_norm(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
+def rms_norm(norm: nn.Module, x: torch.Tensor, eps: float, unit_offset: bool = False) -> torch.Tensor:
     """The source's RMSNorm, spelled x / sqrt(mean(x^2) + eps) * w: ONNX Runtime fuses this
-    form into one SimplifiedLayerNormalization node (the rsqrt form stays six nodes)."""
-    eps = getattr(norm, "variance_epsilon", None) or getattr(norm, "eps")
+    form into one SimplifiedLayerNormalization node (the rsqrt form stays six nodes).
+    `unit_offset` (Gemma): (1 + w) * x^, multiplied in float32 and then cast, as its reference does."""
     x32 = x.float()
-    return norm.weight * (x32 / torch.sqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    normed = x32 / torch.sqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    if unit_offset:
+        return (normed * (1.0 + norm.weight.float())).to(x.dtype)
+    return norm.weight * normed.to(x.dtype)
 
 
 def _split(y: torch.Tensor, widths: list[int]) -> list[torch.Tensor]:
@@ -64,11 +69,6 @@ def _split(y: torch.Tensor, widths: list[int]) -> list[torch.Tensor]:
     return out
 
 
-def _mlp(mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    if hasattr(mlp, "gate_up_proj"):  # fused by export/quantize.py
-        gate, up = _split(mlp.gate_up_proj(x), mlp.gate_up_proj.split)
-        return mlp.down_proj(mlp.act_fn(gate) * up)
-    return mlp(x)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -76,11 +76,11 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-def _packed_qkv(attn: nn.Module) -> nn.Module:
+def _packed_qkv(attn: nn.Module, packed: bool) -> nn.Module:
     """One Linear computing q | k | v (their weights and biases stacked), or the module's own
-    qkv_proj where it has one (export/quantize.py fuses the quantized projections itself).
+    qkv_proj where it has one (`packed`: the source's, or export/quantize.py's).
     The source's projections stay as they are: its modules are shared with the source model."""
-    if hasattr(attn, "qkv_proj"):
+    if packed:
         return attn.qkv_proj
     parts = (attn.q_proj, attn.k_proj, attn.v_proj)
     weight = torch.cat([p.weight.detach() for p in parts])
@@ -106,11 +106,13 @@ def restrict_head(hf_model: nn.Module, vocab: list[int]) -> None:
 
 
 class SpecGraph(nn.Module):
-    """A Llama-family decoder (Llama, Qwen2, Mistral) over static, in-place KV buffers.
+    """A decoder of a family export/architectures.py lists, over static, in-place KV buffers.
 
     It borrows the source model's own modules (projections with their biases, norms,
     MLP), so numerics follow the source, and keeps only the first `num_layers` layers
     (a layer-truncated self-draft uses the target's first N layers, its norm and head).
+    What differs by family (norms, q/k norms, packed projections, windows, RoPE per layer
+    type, soft-caps, the embedding scale) is read from the family's entry, never probed.
     """
 
     def __init__(
@@ -120,6 +122,8 @@ class SpecGraph(nn.Module):
         super().__init__()
         cfg = hf_model.config
         base = hf_model.model
+        arch: Architecture = check_config(cfg)
+        self.arch = arch
         n = cfg.num_hidden_layers if num_layers is None else num_layers
         self.embed_tokens = base.embed_tokens
         self.layers = nn.ModuleList(list(base.layers)[:n])
@@ -128,10 +132,32 @@ class SpecGraph(nn.Module):
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.eps = cfg.rms_norm_eps
         rotary = base.rotary_emb
-        self.register_buffer("inv_freq", rotary.inv_freq.detach().clone().float(), persistent=False)
-        self.rope_scale = float(getattr(rotary, "attention_scaling", 1.0))
-        self.scaling = self.head_dim**-0.5
+        if arch.rope_by_layer_type:
+            # one set of angles per layer type (Gemma 3: local and global bases): buffers
+            # inv_freq (full attention) and inv_freq_sliding, each layer naming its own
+            kinds = cfg.layer_types[:n]
+            self.rope_of_layer = ["inv_freq" if k == "full_attention" else "inv_freq_sliding" for k in kinds]
+            self.rope_scales = {}
+            for kind, name in (("full_attention", "inv_freq"), ("sliding_attention", "inv_freq_sliding")):
+                self.register_buffer(name, getattr(rotary, f"{kind}_inv_freq").detach().clone().float(), persistent=False)
+                self.rope_scales[name] = float(getattr(rotary, f"{kind}_attention_scaling"))
+            self.rope_scale = self.rope_scales["inv_freq"]
+        else:
+            self.register_buffer("inv_freq", rotary.inv_freq.detach().clone().float(), persistent=False)
+            self.rope_scale = float(rotary.attention_scaling)
+            self.rope_of_layer = ["inv_freq"] * n
+            self.rope_scales = {"inv_freq": self.rope_scale}
+        self.scaling = arch.scaling(cfg, self.head_dim)
+        self.attn_softcap, self.final_softcap = arch.softcaps(cfg)
+        self.windows = arch.layer_windows(cfg)[:n]  # windows the graph applies itself, per layer
+        self.embed_scale = cfg.hidden_size**0.5 if arch.embed_scale else None
+        # Widths of the packed projections' outputs: q | k | v and gate | up.
+        self.qkv_widths = [self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim,
+                           self.num_kv_heads * self.head_dim]
+        self.gate_up_widths = [cfg.intermediate_size, cfg.intermediate_size]
+        self.act = ACT2FN[getattr(cfg, arch.activation_field)]
         self.inplace = inplace  # eager runs over caller-owned buffers write in place
         self.contrib_ops = False  # see use_contrib_ops
         self.fused = False
@@ -160,22 +186,37 @@ class SpecGraph(nn.Module):
         if fused:
             # GroupQueryAttention reads q|k|v packed: one MatMul a layer, not three and a Concat
             # (at T = 1 a node's own cost is a large part of its time)
-            self.qkv = nn.ModuleList(_packed_qkv(layer.self_attn) for layer in self.layers)
+            self.qkv = nn.ModuleList(_packed_qkv(layer.self_attn, self._packed(layer.self_attn, "qkv_proj"))
+                                     for layer in self.layers)
 
     @property
     def num_layers(self) -> int:
         return len(self.layers)
 
+    def _packed(self, owner: nn.Module, name: str) -> bool:
+        """Whether `owner` computes its projections as one packed Linear `name`: the family's
+        own weights (packed_qkv, packed_gate_up), or export/quantize.py's fusion of them."""
+        declared = self.arch.packed_qkv if name == "qkv_proj" else self.arch.packed_gate_up
+        return declared or name in owner._modules
+
+    def _rms(self, norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(norm, x, self.eps, self.arch.unit_offset_norm)
+
     def _norm(self, norm: nn.Module, h: torch.Tensor, delta: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """(norm(h + delta), h + delta): a block's output joins the residual stream, then the
         next norm reads it (one node in ONNX Runtime's graphs)."""
         if delta is None:
-            return rms_norm(norm, h), h
+            return self._rms(norm, h), h
         if self.skip_norms:
-            eps = getattr(norm, "variance_epsilon", None) or getattr(norm, "eps")
-            return skip_rms_norm(h, delta, norm.weight, eps)
+            return skip_rms_norm(h, delta, norm.weight, self.eps)
         h = h + delta
-        return rms_norm(norm, h), h
+        return self._rms(norm, h), h
+
+    def _mlp(self, mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        if self._packed(mlp, "gate_up_proj"):
+            gate, up = _split(mlp.gate_up_proj(x), self.gate_up_widths)
+            return mlp.down_proj(self.act(gate) * up)
+        return mlp(x)
 
     def _attention(self, layer: int, attn: nn.Module, x, position_ids, write_indices, attention_mask, mask, cos, sin,
                    key_cache, value_cache):
@@ -184,16 +225,18 @@ class SpecGraph(nn.Module):
         b, t, _ = x.shape
         write = kv_write_inplace if self.inplace else kv_write
         d = self.head_dim
-        fused_qkv = hasattr(attn, "qkv_proj")  # by export/quantize.py: one node for the three
         if self.fused:
             qkv = self.qkv[layer](x)
             args = (qkv, key_cache, value_cache, write_indices, attention_mask, self.cos_cache.to(x.dtype),
                     self.sin_cache.to(x.dtype), self.num_heads, self.num_kv_heads, self.scaling)
             return fused_attention_eager(*args, write=write) if self.inplace else group_query_attention(*args)
-        if fused_qkv:
-            q, k, v = _split(attn.qkv_proj(x), attn.qkv_proj.split)
+        if self._packed(attn, "qkv_proj"):
+            q, k, v = _split(attn.qkv_proj(x), self.qkv_widths)
         else:
             q, k, v = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
+        if self.arch.qk_norm:  # over each head's D values, before RoPE
+            q = self._rms(attn.q_norm, q.view(b, t, self.num_heads, d)).view(b, t, self.num_heads * d)
+            k = self._rms(attn.k_norm, k.view(b, t, self.num_kv_heads, d)).view(b, t, self.num_kv_heads * d)
         if self.contrib_ops:
             q = rotary(q, position_ids, self.cos_cache.to(q.dtype), self.sin_cache.to(q.dtype), self.num_heads)
             k = rotary(k, position_ids, self.cos_cache.to(k.dtype), self.sin_cache.to(k.dtype), self.num_kv_heads)
@@ -203,34 +246,67 @@ class SpecGraph(nn.Module):
         if not self.contrib_ops:
             q = q * cos + _rotate_half(q) * sin
             k = k * cos + _rotate_half(k) * sin
-        return attention_reference(q, k, v, key_cache, value_cache, write_indices, mask, self.scaling, write)
+        return attention_reference(q, k, v, key_cache, value_cache, write_indices, mask, self.scaling, write,
+                                   softcap=self.attn_softcap)
+
+    def _rope(self, inv_freq: torch.Tensor, scale: float, position_ids: torch.Tensor, dtype: torch.dtype):
+        """cos, sin [B, 1, T, D] at position_ids, as the source's rotary module computes them."""
+        freqs = position_ids[..., None].float() * inv_freq  # [B, T, D/2]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return (emb.cos() * scale).to(dtype)[:, None], (emb.sin() * scale).to(dtype)[:, None]
+
+    def _window_mask(self, mask: torch.Tensor, position_ids: torch.Tensor, window: int) -> torch.Tensor:
+        """`mask` [B, 1, 1, T, L] with slots `window` or more positions behind each row's also -inf:
+        a sliding-window layer's mask, made here from position_ids so that the runtime's mask
+        stays the full-attention layers'. Slot j holds position j for every committed token; a
+        tree's nodes sit at slots at or past their positions, and export requires window > max
+        draft, so every ancestor a tree row sees is inside its window either way."""
+        slots = torch.arange(mask.shape[-1], device=mask.device)  # [L]
+        behind = position_ids[:, None, None, :, None] - slots  # [B, 1, 1, T, L]
+        return mask.masked_fill(behind >= window, float("-inf"))
 
     def forward(self, input_ids, position_ids, write_indices, attention_mask, past: list[torch.Tensor],
                 logits_rows: torch.Tensor | None = None):
         """`logits_rows` [R]: the rows whose logits are returned (None: every row)."""
         b, t = input_ids.shape
-        h = self.embed_tokens(input_ids)
-        cos = sin = None
+        if self.embed_scale is None:
+            h = self.embed_tokens(input_ids)
+        else:  # the lookup, then the scale rounded to the weights' dtype, as the source's embedding does
+            weight = self.embed_tokens.weight
+            h = nn.functional.embedding(input_ids, weight) * torch.tensor(self.embed_scale, dtype=weight.dtype)
+        ropes = {}
         if not self.contrib_ops:
-            freqs = position_ids[..., None].float() * self.inv_freq  # [B, T, D/2]
-            emb = torch.cat((freqs, freqs), dim=-1)
-            cos = (emb.cos() * self.rope_scale).to(h.dtype)[:, None]  # [B, 1, T, D]
-            sin = (emb.sin() * self.rope_scale).to(h.dtype)[:, None]
+            for name in dict.fromkeys(self.rope_of_layer):
+                ropes[name] = self._rope(getattr(self, name), self.rope_scales[name], position_ids, h.dtype)
         mask = attention_mask[:, :, None].to(h.dtype)  # [B, 1, 1, T, L]
+        masks = {None: mask}
+        for window in dict.fromkeys(w for w in self.windows if w is not None):
+            masks[window] = self._window_mask(mask, position_ids, window)
+        norms = self.arch.norms
         presents = []
         delta = None  # the last block's output, not yet added to the residual stream h
         for i, layer in enumerate(self.layers):
-            x, h = self._norm(layer.input_layernorm, h, delta)
+            x, h = self._norm(getattr(layer, norms.attention_in), h, delta)
+            cos, sin = ropes.get(self.rope_of_layer[i], (None, None))
             out, key_cache, value_cache = self._attention(
-                i, layer.self_attn, x, position_ids, write_indices, attention_mask, mask, cos, sin, past[2 * i], past[2 * i + 1]
+                i, layer.self_attn, x, position_ids, write_indices, attention_mask, masks[self.windows[i]], cos, sin,
+                past[2 * i], past[2 * i + 1]
             )
             presents += [key_cache, value_cache]
-            x, h = self._norm(layer.post_attention_layernorm, h, layer.self_attn.o_proj(out))
-            delta = _mlp(layer.mlp, x)
+            out = layer.self_attn.o_proj(out)
+            if norms.attention_out is not None:
+                out = self._rms(getattr(layer, norms.attention_out), out)
+            x, h = self._norm(getattr(layer, norms.mlp_in), h, out)
+            delta = self._mlp(layer.mlp, x)
+            if norms.mlp_out is not None:
+                delta = self._rms(getattr(layer, norms.mlp_out), delta)
         x, h = self._norm(self.norm, h, delta)
         if logits_rows is not None:
             x = x.index_select(1, logits_rows)  # one Gather: the head reads R rows, not T
-        logits = self.lm_head(x).float()
+        logits = self.lm_head(x)
+        if self.final_softcap is not None:
+            logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
+        logits = logits.float()
         if self.head_vocab is not None:  # one ScatterElements into rows of -inf
             r = logits.shape[1]
             full = logits.new_full((b, r, self.vocab_size), float("-inf"))

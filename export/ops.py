@@ -154,11 +154,11 @@ def skip_rms_norm_onnx(x, skip, weight, eps):
 
 
 def attention_reference(q, k, v, key_cache, value_cache, write_indices, mask, scaling: float,
-                        write) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                        write, softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Grouped-query attention over the static KV buffers, q/k/v [B, heads, T, D] already
     rotated: write k/v at write_indices with `write`, attend to the first L slots under the
     additive mask [B, 1, 1, T, L]. The exact graph's attention, and the eager meaning of the
-    fused one."""
+    fused one. `softcap` (Gemma 2): scores -> softcap * tanh(scores / softcap) before the mask."""
     b, heads, t, d = q.shape
     kv_heads = k.shape[1]
     groups = heads // kv_heads
@@ -170,6 +170,8 @@ def attention_reference(q, k, v, key_cache, value_cache, write_indices, mask, sc
     # The G query heads that share a KV head are stacked as G*T rows of one plain matmul.
     qg = q.reshape(b, kv_heads, groups * t, d)
     scores = torch.matmul(qg, keys.transpose(-1, -2)) * scaling  # [B, Hkv, G*T, L]
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     scores = scores.view(b, kv_heads, groups, t, window) + mask
     probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
     out = torch.matmul(probs.view(b, kv_heads, groups * t, window), values)  # [B, Hkv, G*T, D]

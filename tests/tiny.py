@@ -64,9 +64,11 @@ def make_tokenizer(folder: Path, vocab_size: int = 320, corpus: list[str] = CORP
 
 def make_model(folder: Path, arch: str = "llama", seed: int = 0, layers: int = 3, vocab_size: int = 320, **overrides):
     import torch
+    import transformers
     from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
 
-    config_class = {"llama": LlamaConfig, "qwen2": Qwen2Config, "mistral": MistralConfig}[arch]
+    config_class = {"llama": LlamaConfig, "qwen2": Qwen2Config, "mistral": MistralConfig}.get(arch) \
+        or getattr(transformers, FAMILY_CONFIGS[arch])
     kwargs = dict(
         vocab_size=vocab_size,
         hidden_size=64,
@@ -81,9 +83,24 @@ def make_model(folder: Path, arch: str = "llama", seed: int = 0, layers: int = 3
         pad_token_id=0,
         tie_word_embeddings=False,
     )
+    kwargs.update(FAMILY_DEFAULTS.get(arch, {}))
     kwargs.update(overrides)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config_class(**kwargs)).eval()
     model.save_pretrained(folder)
     make_tokenizer(folder, vocab_size)
     return model
+
+
+# The families added after Llama / Qwen2 / Mistral: their config classes, and small defaults
+# where the family's own are large (Gemma's 256-wide heads) or its quirks should show at once
+# (a head_dim that is not hidden / heads, soft-capping on, windows shorter than a test's text).
+FAMILY_CONFIGS = {"qwen3": "Qwen3Config", "phi3": "Phi3Config", "gemma2": "Gemma2Config", "gemma3_text": "Gemma3TextConfig"}
+FAMILY_DEFAULTS = {
+    "qwen3": dict(head_dim=24),
+    "phi3": dict(sliding_window=None),
+    "gemma2": dict(head_dim=24, query_pre_attn_scalar=20, sliding_window=24, attn_logit_softcapping=5.0,
+                   final_logit_softcapping=4.0, hidden_activation="gelu_pytorch_tanh"),
+    "gemma3_text": dict(head_dim=24, query_pre_attn_scalar=20, sliding_window=24, sliding_window_pattern=2,
+                        rope_theta=40000.0, rope_local_base_freq=1000.0, hidden_activation="gelu_pytorch_tanh"),
+}
