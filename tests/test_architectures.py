@@ -1,0 +1,167 @@
+"""The families beyond Llama / Qwen2 / Mistral (export/architectures.py): each exported at fp32
+gives Hugging Face `generate(do_sample=False)`'s tokens, plain and speculative (a layer-truncated
+self-draft and an n-gram draft, draft lengths 1, 3 and 8), and a graph TensorRT's parser takes;
+what the graph does not reproduce is refused at export in one line naming the config field."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+import tiny
+from specdeploy.core.errors import ExportError
+from specdeploy.core.graph_io import attention_mask
+from specdeploy.export import build_bundle
+from specdeploy.export.architectures import ARCHITECTURES, check_config
+from specdeploy.export.graph import SpecGraph
+from specdeploy.export.load import load_source
+from specdeploy.export.onnx_export import kv_buffers
+from specdeploy.export.trt_ops import check_bundle
+from specdeploy.runtime import Session
+from test_lossless import hf_greedy
+from tiny import PROMPTS
+
+MAX_SEQ = 128
+NEW_TOKENS = 40  # with the longest prompt, past every sliding window below
+DRAFT_LENS = (1, 3, 8)
+TEST_PROMPTS = [PROMPTS[0], PROMPTS[1], PROMPTS[16], PROMPTS[13]]
+
+FAMILIES = {
+    # name: (model_type, make_model overrides): odd shapes where the family allows them
+    "qwen3": ("qwen3", dict(head_dim=24, attention_bias=True)),  # head_dim != 64 / 4, GQA 4:2
+    "phi3": ("phi3", dict(sliding_window=40)),  # packed q|k|v and gate|up, a window on every layer
+    "gemma2": ("gemma2", dict()),  # tiny.FAMILY_DEFAULTS: head_dim 24, window 24, soft-caps 5 and 4
+    "gemma3": ("gemma3_text", dict(rope_scaling={"rope_type": "linear", "factor": 2.0})),  # global rope scaled
+}
+
+
+@pytest.fixture(scope="module")
+def family_models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("families")
+    for seed, (name, (arch, extra)) in enumerate(FAMILIES.items()):
+        tiny.make_model(root / name, arch, seed=10 + seed, layers=3, **extra)
+    return {name: root / name for name in FAMILIES}
+
+
+@pytest.fixture(scope="module")
+def family_bundles(family_models, tmp_path_factory):
+    root = tmp_path_factory.mktemp("family-bundles")
+    built = {}
+
+    def get(name, draft):
+        key = (name, draft)
+        if key not in built:
+            out = root / f"{name}-{draft.replace(':', '-').replace('=', '')}"
+            build_bundle(family_models[name], draft, out, max_seq=MAX_SEQ, max_draft=8, prefill_chunk=16)
+            built[key] = out
+        return built[key]
+
+    return get
+
+
+def test_the_tiny_models_have_the_shapes_meant(family_models):
+    qwen3 = json.loads((family_models["qwen3"] / "config.json").read_text())
+    assert qwen3["head_dim"] * qwen3["num_attention_heads"] != qwen3["hidden_size"]
+    gemma2 = json.loads((family_models["gemma2"] / "config.json").read_text())
+    assert gemma2["layer_types"] == ["sliding_attention", "full_attention", "sliding_attention"]
+    assert gemma2["attn_logit_softcapping"] and gemma2["final_logit_softcapping"]
+    gemma3 = json.loads((family_models["gemma3"] / "config.json").read_text())
+    ropes = gemma3["rope_parameters"]
+    assert ropes["sliding_attention"]["rope_theta"] != ropes["full_attention"]["rope_theta"]
+    assert "sliding_attention" in gemma3["layer_types"] and "full_attention" in gemma3["layer_types"]
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+@pytest.mark.parametrize("draft", ["self:layers=1", "ngram"])
+def test_plain_and_speculative_equal_hf_generate(name, draft, family_models, family_bundles):
+    bundle = family_bundles(name, draft)
+    session = Session(bundle)
+    hf = AutoModelForCausalLM.from_pretrained(family_models[name], dtype=torch.float32).eval()
+    longest = 0
+    for prompt in TEST_PROMPTS:
+        ids = session.encode(prompt)
+        plain = session.generate(prompt_ids=ids, max_new_tokens=NEW_TOKENS, speculate=False)
+        longest = max(longest, len(ids) + len(plain.token_ids))
+        with torch.no_grad():
+            assert plain.token_ids == hf_greedy(hf, ids, session.eos_token_ids), prompt
+        for k in DRAFT_LENS:
+            spec = session.generate(prompt_ids=ids, max_new_tokens=NEW_TOKENS, draft_len=k)
+            assert spec.token_ids == plain.token_ids, (prompt, k)
+            assert spec.stats.drafted > 0 or len(plain.token_ids) <= 1
+    window = getattr(hf.config, "sliding_window", None)
+    if window:
+        assert longest > window  # the window really cut some rows' context
+    if draft.startswith("self"):
+        assert check_bundle(bundle) == []  # TensorRT's parser takes every node of both graphs
+
+
+@pytest.mark.parametrize("rope", [
+    {"rope_type": "linear", "factor": 2.0},
+    {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+     "original_max_position_embeddings": 32},
+    {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32},
+])
+def test_fixed_rope_types_match_the_source(rope, tmp_path):
+    """The RoPE types ROPE_TYPES admits: the graph's logits equal the source's over 70 tokens
+    written in chunks (past their original_max_position_embeddings)."""
+    tiny.make_model(tmp_path / "m", "llama", seed=3, layers=2, rope_scaling=rope)
+    source = load_source(tmp_path / "m")
+    graph = SpecGraph(source.model).eval()
+    graph.inplace = True
+    ids = torch.randint(0, 320, (1, 70), generator=torch.Generator().manual_seed(0))
+    past = kv_buffers(graph, MAX_SEQ, torch.float32)
+    with torch.no_grad():
+        want = source.model(ids).logits[0]
+        got = torch.cat([
+            graph(ids[:, a : a + 16], torch.arange(a, min(a + 16, 70))[None], torch.tensor([a]),
+                  torch.from_numpy(attention_mask(a, min(16, 70 - a))), past)[0][0]
+            for a in range(0, 70, 16)
+        ])
+    assert (got - want).abs().max() <= 1e-4 * want.abs().max()
+
+
+def _refused(folder, *, dtype="fp32", draft="self:layers=1", max_draft=8) -> str:
+    with pytest.raises(ExportError) as e:
+        build_bundle(folder, draft, folder.parent / "out", max_seq=MAX_SEQ, max_draft=max_draft, dtype=dtype)
+    message = str(e.value)
+    assert "\n" not in message
+    return message
+
+
+@pytest.mark.parametrize("arch, overrides, field", [
+    ("llama", dict(rope_scaling={"rope_type": "dynamic", "factor": 2.0}), "rope_type 'dynamic'"),
+    ("phi3", dict(rope_scaling={"rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8},
+                  original_max_position_embeddings=64), "rope_type 'longrope'"),
+    ("phi3", dict(partial_rotary_factor=0.5), "partial_rotary_factor"),
+    ("qwen3", dict(use_sliding_window=True, sliding_window=32, max_window_layers=1), "use_sliding_window"),
+    ("gemma2", dict(use_bidirectional_attention=True), "use_bidirectional_attention"),
+    ("gemma3_text", dict(use_bidirectional_attention=True), "use_bidirectional_attention"),
+])
+def test_what_the_graph_does_not_reproduce_is_refused_naming_the_field(arch, overrides, field, tmp_path):
+    tiny.make_model(tmp_path / "m", arch, layers=2, **overrides)
+    assert field in _refused(tmp_path / "m")
+
+
+def test_gemma_fp16_quantized_and_short_windows_are_refused(tmp_path):
+    tiny.make_model(tmp_path / "g", "gemma2", layers=2)
+    assert "--dtype fp16" in _refused(tmp_path / "g", dtype="fp16")
+    assert "--dtype int8" in _refused(tmp_path / "g", dtype="int8")
+    assert "sliding_window 24" in _refused(tmp_path / "g", max_draft=24)
+
+
+def test_an_unknown_architecture_is_one_line(tmp_path):
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_layer": 1}))
+    message = _refused(tmp_path / "m")
+    assert "'gpt2' is not supported" in message and all(name in message for name in ARCHITECTURES)
+
+
+def test_every_entry_checks_its_own_default_config():
+    """Each family's default config (as its class makes it) passes its own entry's checks."""
+    import transformers
+
+    for model_type in ARCHITECTURES:
+        config = transformers.AutoConfig.for_model(model_type)
+        assert check_config(config).model_type == model_type
