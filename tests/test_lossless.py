@@ -79,6 +79,7 @@ def test_mistral_sliding_window_is_exercised(bundles, models):
 
     class Oracle:
         engine, cost_ratio = None, 0.1
+        proposes_trees = keeps_history = False
 
         def reset(self):
             pass

@@ -24,6 +24,7 @@ class OracleTrees:
     move runs."""
 
     kind = "oracle"
+    proposes_trees, keeps_history = True, False
     engine = None
     cost_ratio = 0.0
     private = False
@@ -194,6 +195,7 @@ class TopTrees:
     with its three likeliest successors: the sampled walk meets real branching."""
 
     kind = "top"
+    proposes_trees, keeps_history = True, False
     engine = None
     cost_ratio = 0.0
     private = False

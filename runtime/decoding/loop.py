@@ -132,7 +132,7 @@ def decode(target: Engine, drafter: Drafter | None, prompt_ids: np.ndarray, sett
             if eos is not None:
                 return
     finally:
-        if drafter is not None and hasattr(drafter, "remember"):
+        if drafter is not None and drafter.keeps_history:
             drafter.remember(ids[:end])  # what the request said, for later ones
 
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import functools
 import threading
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator, Mapping
@@ -62,12 +63,33 @@ class Generation:
         self._state = threading.Lock()  # guards _running, _close_requested, _ended
         self._running = False  # a thread is inside a round
         self._close_requested = False
+        self._superseded = False  # ended because another generation started on its session
 
     def __iter__(self) -> Iterator[Piece]:
         return self
 
+    def __enter__(self) -> "Generation":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()  # whatever left the block: the session is free again
+
+    def supersede(self) -> bool:
+        """End this generation because another starts on its session; False if a round is
+        running now (another thread is inside it)."""
+        with self._state:
+            if self._running:
+                return False
+            self._superseded = not self._ended
+            self._end(cancelled=True)
+            return True
+
     def __next__(self) -> Piece:
         with self._state:
+            if self._superseded:
+                self._superseded = False  # said once; then it reads as ended
+                raise InputError("this generation was ended: another one started on its session (a session runs "
+                                 "one at a time; see SessionPool)")
             if self._ended:
                 raise StopIteration
             if self._running:
@@ -165,6 +187,7 @@ class Session:
         self._auto: DraftLength | None = None  # the last greedy `auto` policy: the next one starts from it
         self._auto_tree: TreeSize | None = None
         self._busy = threading.Lock()
+        self._current: Callable[[], Generation | None] | None = None  # the last generation started (a weak reference)
 
     def fork(self) -> "Session":
         """Another session over the same loaded weights, with its own KV buffers."""
@@ -177,6 +200,7 @@ class Session:
         twin._auto = None
         twin._auto_tree = None
         twin._busy = threading.Lock()
+        twin._current = None
         return twin
 
     # -- prompt handling -------------------------------------------------------------
@@ -261,8 +285,7 @@ class Session:
         server's, checked before it waited for a session); `stream` takes the same as arguments."""
         req = self.prepare(req)
         ids = np.asarray(req.prompt_ids, dtype=np.int64)
-        max_new_tokens, draft_len, tree_nodes, speculate = req.max_new_tokens, req.draft_len, req.tree_nodes, req.speculate
-        private, stop = req.private, req.stop
+        draft_len, tree_nodes, speculate = req.draft_len, req.tree_nodes, req.speculate
         params = SamplingParams(req.temperature, req.top_k, req.top_p, req.seed)
         if draft_len == "auto":
             cost = self.drafter.cost_ratio if self.drafter is not None else 0.0
@@ -277,17 +300,40 @@ class Session:
         tree = self._tree_policy(tree_nodes, draft_len, drafter, params) if drafter is not None else None
         if tree is not None:
             lengths = DraftLength(k, fixed=k)  # the tree's depth
-        if not self._busy.acquire(blocking=False):
-            raise InputError("this session is already generating; use one session per request (see SessionPool)")
-        if hasattr(drafter, "private"):
-            drafter.private = bool(private)
-        if speculate and lengths.measure and lengths.fixed is None:
+        self._take()
+        try:
+            return self._begin(req, ids, drafter, params, lengths, tree)
+        except BaseException:  # nothing started: the session is free again
+            self._busy.release()
+            raise
+
+    def _take(self) -> None:
+        """The session for a new generation. One paused between rounds (its caller stopped
+        reading it, or dropped it while an exception holds it) is ended first: its next read
+        says why. One inside a round (another thread) is an error: a session runs one at a time."""
+        if self._busy.acquire(blocking=False):
+            return
+        previous = self._current() if self._current is not None else None
+        if previous is None or not previous.supersede():
+            raise InputError("this session is already generating in another thread; use one session per request "
+                             "(see SessionPool)")
+        if not self._busy.acquire(timeout=5):  # released by the superseded generation's end
+            raise InputError("this session did not come free; use one session per request (see SessionPool)")
+
+    def _begin(self, req: Request, ids: np.ndarray, drafter, params: SamplingParams, lengths: DraftLength,
+               tree: TreeSize | None) -> "Generation":
+        max_new_tokens, stop = req.max_new_tokens, req.stop
+        if drafter is not None and drafter.keeps_history:
+            drafter.private = req.private
+        if req.speculate and lengths.measure and lengths.fixed is None:
             self._auto = lengths  # updated as this generation runs; the next starts from it
         if tree is not None and tree.measure and tree.fixed is None:
             self._auto_tree = tree
         stats = Stats()
+        # A private request reads no prompt cache and leaves none (its passes invalidate it): no later
+        # request's cached_tokens, or its prefill time, can tell what it shared with this prompt.
         settings = DecodeSettings(max_new_tokens, self.eos_token_ids, self.bundle.prefill_chunk, params, lengths, tree,
-                                  self.cache)
+                                  None if req.private else self.cache)
         rounds = decode(self.target, drafter, ids, settings, stats)
         stops = StopMatcher(list(stop))
         met = {"stop": False, "eos": False}  # what the rounds met, for the finish reason
@@ -310,12 +356,22 @@ class Session:
         def finish(cancelled: bool) -> str:
             return finish_reason(cancelled=cancelled, **met)
 
-        return Generation(pieces(), stats, finish, on_end=self._busy.release)
+        on_end = self._busy.release
+        if req.private and self.drafter is not None:
+            def on_end():  # the draft's K/V of this text would speed up a later request that shares it
+                try:
+                    self.drafter.reset()
+                finally:
+                    self._busy.release()
+
+        gen = Generation(pieces(), stats, finish, on_end=on_end)
+        self._current = weakref.ref(gen)
+        return gen
 
     def tree_capable(self) -> bool:
         """Whether this bundle runs tree rounds: a drafter that proposes trees, a target graph
         that verifies them (see runtime/backends/ort.py tree_capable)."""
-        return self.drafter is not None and hasattr(self.drafter, "propose_tree") and getattr(self.target, "trees", False)
+        return self.drafter is not None and self.drafter.proposes_trees and self.target.trees
 
     def _tree_policy(self, tree_nodes, draft_len, drafter, params: SamplingParams) -> TreeSize | None:
         """The tree policy of a request: tree rounds, or a model-free drafter's chains under auto

@@ -36,6 +36,8 @@ from specdeploy.runtime.decoding.drafters.suffix import SuffixDrafter, SuffixInd
 
 class Drafter(Protocol):
     kind: ClassVar[str]  # the manifest's draft kind
+    proposes_trees: ClassVar[bool]  # offers propose_tree(ids, budget, max_depth) -> DraftTree
+    keeps_history: ClassVar[bool]  # offers remember(ids) when a generation ends, and `private` per request
     engine: Engine | None  # its graph's engine (None: model-free)
     cost_ratio: float  # a draft step over a target pass before anything is measured
 
@@ -70,6 +72,7 @@ class NoDraft:
     """Kind `none`: the bundle has no draft; every round is a plain step."""
 
     kind = "none"
+    proposes_trees = keeps_history = False
 
     @classmethod
     def from_bundle(cls, bundle: Bundle, backend: BackendChoice | str, threads: int | None) -> None:

@@ -17,6 +17,7 @@ class HostLookup:
     """What every model-free drafter shares: no graph, no draft passes, no fused round."""
 
     kind = "lookup"
+    proposes_trees = keeps_history = False
     engine = None
     cost_ratio = 0.0  # a lookup on the host costs next to nothing beside a pass
 

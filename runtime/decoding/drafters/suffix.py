@@ -179,6 +179,7 @@ class SuffixDrafter(HostLookup):
     """
 
     kind = "suffix"
+    proposes_trees = keeps_history = True
 
     def __init__(self, max_ngram: int = 8, min_ngram: int = 2, index: SuffixIndex | None = None):
         if not 1 <= min_ngram <= max_ngram:
