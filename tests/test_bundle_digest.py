@@ -52,3 +52,14 @@ def test_a_file_of_the_wrong_size_is_refused_unread(bundle, monkeypatch):
         load_bundle(bundle)
     assert read == []
     os.truncate(graph, 0)
+
+
+def test_a_session_can_be_told_to_require_the_digest(bundle):
+    from specdeploy.runtime import Session
+
+    pinned = load_bundle(bundle).digest
+    assert Session(bundle, digest=pinned).bundle.digest == pinned
+    with pytest.raises(BundleError, match="is not the sha256:0000 required"):
+        Session(bundle, digest="sha256:0000")
+    with pytest.raises(BundleError, match="is not the sha256:0000 required"):
+        Session(load_bundle(bundle), digest="sha256:0000")

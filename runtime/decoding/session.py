@@ -10,7 +10,7 @@ from typing import Callable, Iterator, Mapping
 
 import numpy as np
 
-from specdeploy.core.errors import InputError
+from specdeploy.core.errors import BundleError, InputError
 from specdeploy.core.manifest import Bundle, load_bundle
 
 from specdeploy.runtime.backends import BackendChoice, Device, make_engine
@@ -154,7 +154,7 @@ class Session:
     def __init__(
         self, bundle: str | Path | Bundle, threads: int | None = None, verify: bool = True, backend: str = "ort",
         prompt_cache: bool = True, device: str | Device | None = None, trt_ep: bool = False,
-        thread_pool: str | None = None,
+        thread_pool: str | None = None, digest: str | None = None,
     ):
         """`prompt_cache`: a generation whose prompt begins with tokens the KV buffers already
         hold (the previous prompt and answer: a chat's system prompt, its earlier turns)
@@ -169,10 +169,18 @@ class Session:
         target and draft on the process's one ONNX Runtime thread pool where the bundle has a
         draft graph, the fast configuration; "own" gives each engine a pool of its own (for a
         process whose other ONNX Runtime sessions want their own threads); "shared" always
-        shares. See runtime.backends.ort.settle_thread_pool."""
+        shares. See runtime.backends.ort.settle_thread_pool.
+
+        `digest` ("sha256:...", as `specdeploy inspect` prints it): the bundle must be exactly
+        that one, its manifest (system prompt, chat template, settings) included."""
         choice = BackendChoice.of(backend, device, trt_ep)  # checked before the bundle is read
         pool = thread_pool_choice(thread_pool)
-        self.bundle = bundle if isinstance(bundle, Bundle) else load_bundle(bundle, verify=verify)
+        if isinstance(bundle, Bundle):
+            if digest is not None and bundle.digest != digest:
+                raise BundleError(f"{bundle.path}: bundle digest {bundle.digest} is not the {str(digest)[:80]} required")
+            self.bundle = bundle
+        else:
+            self.bundle = load_bundle(bundle, verify=verify, digest=digest)
         b = self.bundle
         b.check_memory()  # before any buffer is allocated
         on_cpu_ort = choice.name == "ort" and (choice.device is None or choice.device.kind == "cpu")
