@@ -338,7 +338,8 @@ class MiniLlama(nn.Module):
         super().__init__()
         from types import SimpleNamespace
 
-        self.config = SimpleNamespace(rms_norm_eps=1e-5, **cfg)
+        self.config = SimpleNamespace(model_type="llama", hidden_act="silu", rms_norm_eps=1e-5, layer_types=None,
+                                      rope_parameters={"rope_type": "default", "rope_theta": cfg["rope_theta"]}, **cfg)
         self.model = _Base(self.config)
         self.lm_head = nn.Linear(cfg["hidden_size"], cfg["vocab_size"], bias=False)
         with torch.no_grad():
