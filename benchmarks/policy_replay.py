@@ -52,7 +52,7 @@ HERE = Path(__file__).parent
 
 
 class Optimistic(DraftLength):
-    """A variant replayed against the runtime's policy (`--optimism X`, not kept: README): each
+    """A variant replayed against the runtime's policy (`--optimism X`, not kept: docs/drafters.md): each
     position's estimate h raised by X * sqrt(h (1 - h)) / n, n the rounds that judged it, so that
     one early rejection at a position does not keep k below it until its count fades."""
 

@@ -125,7 +125,7 @@ class ModelSpec:
     parity: dict | None = None
     trt: dict | None = None  # the TensorRT plan built from this graph (`specdeploy build`)
     # "exact": verify rows equal single steps bit for bit; "fused": ONNX Runtime's fused
-    # attention (GroupQueryAttention), rows equal up to rounding (README: exact and fused graphs)
+    # attention (GroupQueryAttention), rows equal up to rounding (docs/backends.md, "Exact and fused graphs")
     attention: str = "exact"
 
     @property

@@ -38,7 +38,7 @@ VERSION = "0.1.0"
 PREFILL_CHUNK = 64  # prompt tokens per prefill pass unless told (at most max_seq)
 # A draft graph that runs on ONNX Runtime only (int8/int4) takes the fused attention unless
 # told otherwise, and the source's own blocks: re-quantizing a GGUF's blocks drops the
-# draft's agreement with the target from 94% to 72% (README "Exact and fused graphs").
+# draft's agreement with the target from 94% to 72% (docs/quantization.md, "Exact and fast schemes").
 DRAFT_DEFAULTS = {"attention": "fused", "quant_scheme": "exact"}
 
 

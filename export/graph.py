@@ -175,7 +175,7 @@ class SpecGraph(nn.Module):
         the norm after it as SkipSimplifiedLayerNormalization (row by row: verify rows stay
         bit-identical to single steps). `fused`: also each attention with its rotary
         embedding and KV write (GroupQueryAttention), one node; its verify rows equal single
-        steps only up to rounding (README: exact and fused graphs). For ONNX Runtime only:
+        steps only up to rounding (docs/backends.md, "Exact and fused graphs"). For ONNX Runtime only:
         TensorRT's parser does not read contrib ops."""
         cos, sin = rope_caches(self.inv_freq, self.rope_scale, positions)
         self.register_buffer("cos_cache", cos, persistent=False)

@@ -295,7 +295,7 @@ def quantize_model(model: nn.Module, scheme: str, gguf_path: Path | None = None,
                 parts.append(blocks_for(getattr(owner, attr), gguf_name, bits, heads, f"layer {i} {owner_name}.{attr}"))
             if owner_name == "mlp" and parts[0][0].mins is None:
                 # Without a minimum term to share, gate and up stay two nodes: fused, their
-                # output's Split costs more than the second node (measured: README, fused graphs).
+                # output's Split costs more than the second node (measured: docs/backends.md, "Exact and fused graphs").
                 for attr, (blocks, bias) in zip(names, parts):
                     setattr(owner, attr, QuantLinear(blocks, bias))
                 continue

@@ -1,6 +1,6 @@
 """The draft-length and chain-length policies, against simulated worlds whose costs and
 acceptance are known: `auto` must come within 5% of the best fixed draft length's expected
-rate (the bound the README's configurations table holds measured runs to), and the bound is
+rate (the bound docs/drafters.md, "The auto policy", holds measured runs to), and the bound is
 shown to fail a policy pinned where it does not pay."""
 import numpy as np
 import pytest
