@@ -3,7 +3,11 @@ request schema its Python-backend model (runtime/triton_model.py, written as mod
 
     OUT/NAME/config.pbtxt        the model's configuration: decoupled (streaming), instances, queue bound
     OUT/NAME/1/model.py          loads the bundle once per instance with the lean runtime
-    OUT/NAME/1/bundle/           the bundle (or a path config.pbtxt states instead)
+    OUT/NAME/1/bundle/           the bundle's listed files (or a path config.pbtxt states instead)
+
+config.pbtxt records the bundle's digest (`metric_tags { key: "bundle_digest" }`): model.py
+loads only that bundle, and the check verifies it. The repository is written whole into a
+folder beside OUT and moved into place, or not at all.
 
 Each instance is a process of its own (the Python backend's stub) with one Session: it loads
 the bundle's weights, owns its KV buffers and runs one request at a time; Triton queues the
@@ -17,31 +21,34 @@ imports tritonclient's `model_config_pb2` and protobuf when it runs.
 """
 from __future__ import annotations
 
+import errno
 import functools
 import importlib.util
 import json
 import os
 import shutil
+import stat
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
 import numpy as np
 
-from specdeploy.core.errors import InputError, SpecdeployError
-from specdeploy.core.manifest import load_bundle
+from specdeploy.core.choices import BACKENDS, GPU_BACKENDS  # ort runs on the CPU here; torch and trt on the instance's GPU
+from specdeploy.core.errors import BundleError, InputError, SpecdeployError
+from specdeploy.core.manifest import MANIFEST, Bundle, load_bundle
 
 from specdeploy.runtime.decoding.request import (
     SETTINGS, STRINGS, Limits, Request, validate, wire_labels, wire_names,
 )
 
-BACKENDS = ("ort", "torch", "trt")  # ort runs on the CPU here; torch and trt on the instance's GPU
-GPU_BACKENDS = ("torch", "trt")
 DEFAULT_MAX_QUEUE = 8
 MAX_INSTANCES = 256
 MODEL_FILE = "model.py"
 VERSION = "1"
 BUNDLE_DIR = "bundle"  # inside the version folder, beside model.py
+DIGEST_TAG = "bundle_digest"  # config.pbtxt's metric_tags: the digest of the bundle the repository was written for
 
 
 @dataclass(frozen=True)
@@ -76,9 +83,10 @@ OUTPUTS = (
 # -- writing a repository ------------------------------------------------------------------
 
 def config_text(name: str, instances: int, max_queue: int, backend: str, bundle_path: str,
-                threads: int | None = None, source: str = "") -> str:
-    """config.pbtxt for a specdeploy model (protobuf text format of Triton's ModelConfig)."""
-    kind = "KIND_GPU" if backend in GPU_BACKENDS else "KIND_CPU"
+                threads: int | None = None, source: str = "", digest: str = "") -> str:
+    """config.pbtxt for a specdeploy model (protobuf text format of Triton's ModelConfig);
+    `digest`: the bundle's, as `specdeploy inspect` prints it."""
+    kind = KIND.get(backend, "KIND_CPU")  # (this writes what it is given: write_repository checks first)
 
     def tensors(items: tuple[Tensor, ...]) -> str:
         rows = []
@@ -115,50 +123,211 @@ output [
 parameters [
   {{ key: "bundle" value: {{ string_value: {bundle_value} }} }},  # relative to the version folder, or absolute
   {{ key: "backend" value: {{ string_value: "{backend}" }} }},  # ort (CPU), torch or trt (the instance's GPU)
-  {{ key: "threads" value: {{ string_value: "{threads or ''}" }} }}  # intra-op threads per instance ("": all cores)
+  {{ key: "threads" value: {{ string_value: "{'' if threads is None else threads}" }} }}  # intra-op threads per instance ("": all cores)
 ]
+
+# The bundle this repository was written for (its digest, as `specdeploy inspect` prints it):
+# model.py loads no other, so a bundle edited here is refused when the model loads.
+metric_tags [ {{ key: "{DIGEST_TAG}" value: "{digest}" }} ]
 """
 
 
 def write_repository(bundle: str | Path, out: str | Path, name: str | None = None, instances: int = 1,
                      max_queue: int = DEFAULT_MAX_QUEUE, backend: str = "ort", threads: int | None = None,
-                     reference: bool = False) -> Path:
+                     reference: bool = False, replace: bool = False) -> Path:
     """Write OUT/NAME/{config.pbtxt, 1/model.py, 1/bundle/}; returns OUT/NAME.
 
     `reference`: config.pbtxt states the bundle's absolute path instead of a copy (a repository
-    for this machine only). The bundle is checked (checksums included) before anything is written.
+    for this machine only). The bundle is checked (checksums included) before anything is
+    written; the copy holds exactly the files its manifest lists, each a regular file, and is
+    checked again against the bundle's digest. The model folder is written whole into a
+    temporary folder beside OUT and moved into place, or not at all. `replace`: an OUT/NAME
+    that is a model folder specdeploy wrote is replaced; anything else there is never touched.
     """
     bundle, out = Path(bundle), Path(out)
     name = name if name is not None else bundle.resolve().name
-    _check_settings(name, instances, max_queue, backend, threads)
-    load_bundle(bundle, verify=True)  # a broken bundle never becomes a repository
+    problems = setting_problems(name, (instances,), max_queue, backend, threads)
+    if problems:
+        raise InputError(problems[0])
+    _check_out(out)
+    source = load_bundle(bundle, verify=True)  # a broken bundle never becomes a repository
     model_dir = out / name
-    if model_dir.exists():
-        raise InputError(f"{model_dir} already exists; remove it or choose another --name or OUT")
-    version = model_dir / VERSION
-    version.mkdir(parents=True)
-    (version / MODEL_FILE).write_text(template())
-    if reference:
-        bundle_path = str(bundle.resolve())
-    else:
-        shutil.copytree(bundle, version / BUNDLE_DIR)
-        bundle_path = BUNDLE_DIR
-    (model_dir / "config.pbtxt").write_text(
-        config_text(name, instances, max_queue, backend, bundle_path, threads, source=str(bundle)))
+    if model_dir.exists() or model_dir.is_symlink():
+        if not replace:
+            raise InputError(f"{model_dir} already exists; remove it, choose another --name or OUT, or --replace it")
+        if not is_written_model(model_dir):
+            raise InputError(f"{model_dir} is not a model folder specdeploy wrote; --replace leaves it alone")
+    made = [p for p in (out, *out.parents) if not (p.exists() or p.is_symlink())]
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name or 'repository'}.{name}.", suffix=".partial",
+                                    dir=_staging_parent(out)))
+    try:
+        staged = staging / name
+        version = staged / VERSION
+        version.mkdir(parents=True)
+        (version / MODEL_FILE).write_text(template())
+        if reference:
+            bundle_path = str(bundle.resolve())
+        else:
+            copy_bundle(source, version / BUNDLE_DIR)
+            bundle_path = BUNDLE_DIR
+        (staged / "config.pbtxt").write_text(config_text(
+            name, instances, max_queue, backend, bundle_path, threads, source=str(bundle), digest=source.digest))
+        _move_into_place(staging, staged, out, model_dir)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        for folder in made[1:]:  # OUT's missing parents, made for the staging folder, nearest first
+            try:
+                folder.rmdir()
+            except OSError:
+                break
+        raise
     return model_dir
 
 
-def _check_settings(name: str, instances: int, max_queue: int, backend: str, threads: int | None) -> None:
+def copy_bundle(source: Bundle, into: Path) -> None:
+    """Copy the files `source`'s manifest lists (manifest.json and `files`) into the new folder
+    `into`, each as a regular file; nothing else of the bundle's folder is read. A listed file
+    that is a symbolic link is copied only when it resolves to a regular file inside the bundle;
+    the copy is checked against the bundle's digest and checksums."""
+    into.mkdir()
+    inside = source.path.resolve()
+    for name in dict.fromkeys([MANIFEST, *source.manifest.files]):
+        path = source.path / name  # a plain name: the manifest refuses folders and '..'
+        target = path.resolve() if path.is_symlink() else path
+        if path.is_symlink() and inside not in target.parents:
+            raise BundleError(f"bundle file {path} links to {target}, outside the bundle folder; not copied")
+        try:  # O_NOFOLLOW: a link swapped in since is refused; O_NONBLOCK: a FIFO does not block the open
+            fd = os.open(target, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        except OSError as e:
+            raise BundleError(f"bundle file {path} cannot be read ({e.strerror}); not copied") from None
+        with open(fd, "rb") as src:
+            if not stat.S_ISREG(os.fstat(src.fileno()).st_mode):
+                raise BundleError(f"bundle file {path} is not a regular file; not copied")
+            with open(into / name, "xb") as dst:
+                shutil.copyfileobj(src, dst, 1 << 22)
+    load_bundle(into, verify=True, digest=source.digest)  # the copy is the bundle that was checked
+
+
+def _check_out(out: Path) -> None:
+    """OUT is a folder, or a path whose nearest existing part is one."""
+    for part in (out, *out.parents):
+        if part.exists() or part.is_symlink():
+            if not part.is_dir():
+                where = "is" if part == out else f"lies under {part}, which is"
+                raise InputError(f"OUT {out} {where} a file, not a folder (a Triton model repository)")
+            return
+
+
+def _staging_parent(out: Path) -> Path:
+    """Beside OUT, on OUT's file system (OUT itself where it is a mount point), so that the
+    finished model folder moves into place with one rename."""
+    if out.is_dir() and out.stat().st_dev != out.parent.stat().st_dev:
+        return out
+    return out.parent
+
+
+def _move_into_place(staging: Path, staged: Path, out: Path, model_dir: Path) -> None:
+    """Rename the whole model folder to OUT/NAME (an old one specdeploy wrote set aside first,
+    and removed once the new one is in place)."""
+    if not out.exists():
+        try:
+            os.rename(staging, out)  # staging holds NAME only: it becomes OUT
+            return
+        except OSError as e:  # OUT appeared meanwhile: move NAME into it
+            if e.errno not in (errno.EEXIST, errno.ENOTEMPTY):
+                raise
+    old = staging / ".replaced"
+    if model_dir.exists() or model_dir.is_symlink():
+        os.rename(model_dir, old)
+    try:
+        os.rename(staged, model_dir)
+    except OSError as e:
+        if old.exists():
+            os.rename(old, model_dir)
+        if e.errno in (errno.EEXIST, errno.ENOTEMPTY):
+            raise InputError(f"{model_dir} appeared while the repository was written; nothing was changed") from None
+        raise
+    shutil.rmtree(staging)
+
+
+def is_written_model(model_dir: Path) -> bool:
+    """A model folder specdeploy wrote, finished or not: a real folder holding only
+    config.pbtxt and the version folder, which holds specdeploy's model.py and (at most) the
+    bundle. Only such a folder is ever replaced."""
+    version = model_dir / VERSION
+    model_file = version / MODEL_FILE
+    if model_dir.is_symlink() or not model_dir.is_dir() or version.is_symlink() or model_file.is_symlink():
+        return False
+    if not {p.name for p in model_dir.iterdir()} <= {"config.pbtxt", VERSION}:
+        return False
+    if not version.is_dir() or not {p.name for p in version.iterdir()} <= {MODEL_FILE, BUNDLE_DIR, "__pycache__"}:
+        return False
+    if not model_file.is_file():
+        return False
+    with open(model_file, errors="replace") as f:
+        return f.readline().rstrip("\n") == template().splitlines()[0]
+
+
+# -- the writer's rules: the writer refuses the first broken one, the check reports each ---------
+
+KIND = {backend: "KIND_GPU" if backend in GPU_BACKENDS else "KIND_CPU" for backend in BACKENDS}
+FLAGS = {"name": "--name", "instances": "--instances", "max_queue": "--max-queue", "backend": "--backend",
+         "threads": "--threads", "kind": "instance kind"}
+CONFIG_FIELDS = {"name": "name", "instances": "instance_group count",
+                 "max_queue": "dynamic_batching { default_queue_policy { max_queue_size } }",
+                 "backend": "parameter 'backend'", "threads": "parameter 'threads'", "kind": "instance_group kind"}
+
+
+def setting_problems(name: str, instances: tuple[int, ...], max_queue: int | None, backend: str,
+                     threads: int | str | None, say: dict[str, str] = FLAGS,
+                     kinds: tuple[str, ...] | None = None) -> list[str]:
+    """Every rule a repository's settings break, one line each naming the setting as `say`
+    calls it (the writer's options, or config.pbtxt's fields).
+
+    `instances`: each instance group's count; `max_queue` None: no queue bound is stated;
+    `threads`: a count, or a parameter's text ("" for all cores); `kinds`: each instance
+    group's kind (None: the writer's own, from the backend)."""
+    problems = []
     if not name or name in (".", "..") or "/" in name or "\\" in name or '"' in name:
-        raise InputError(f"--name {name!r}: a model name is one folder name (no '/', '\\' or '\"')")
-    if not 1 <= instances <= MAX_INSTANCES:
-        raise InputError(f"--instances {instances} is outside [1, {MAX_INSTANCES}]")
-    if max_queue < 1:  # Triton reads max_queue_size 0 as no bound at all
-        raise InputError(f"--max-queue {max_queue} must be >= 1 (Triton reads 0 as an unbounded queue)")
+        problems.append(f"{say['name']} {name!r}: a model name is one folder name (no '/', '\\' or '\"')")
+    if not instances:
+        problems.append(f"{say['instances']} is missing: state one instance_group with a count in [1, {MAX_INSTANCES}]")
+    for count in instances:
+        if not 1 <= count <= MAX_INSTANCES:
+            problems.append(f"{say['instances']} {count} is outside [1, {MAX_INSTANCES}]")
+    if len(instances) > 1 and sum(instances) > MAX_INSTANCES:
+        problems.append(f"{say['instances']}s add up to {sum(instances)}, more than {MAX_INSTANCES}")
+    if max_queue is None:
+        problems.append(f"{say['max_queue']} is missing: with no bound Triton queues requests without limit")
+    elif max_queue < 1:  # Triton reads max_queue_size 0 as no bound at all
+        problems.append(f"{say['max_queue']} {max_queue} must be >= 1 (Triton reads 0 as an unbounded queue)")
+    problems += runtime_problems(backend, threads, say)
+    if backend in BACKENDS:
+        for kind in kinds or ():
+            if kind != KIND[backend]:
+                problems.append(f"{say['kind']} {kind} with backend {backend!r}: {backend} runs as {KIND[backend]}")
+    return problems
+
+
+def runtime_problems(backend: str, threads: int | str | None, say: dict[str, str] = FLAGS) -> list[str]:
+    """The rules for what model.py reads besides the bundle: the backend and the threads."""
+    problems = []
     if backend not in BACKENDS:
-        raise InputError(f"--backend {backend!r}: choose from {', '.join(BACKENDS)}")
-    if threads is not None and threads < 1:
-        raise InputError(f"--threads {threads} must be >= 1")
+        problems.append(f"{say['backend']} {backend!r}: choose from {', '.join(BACKENDS)}")
+    if isinstance(threads, str) and threads.strip() and not threads.strip().isdigit():
+        problems.append(f"{say['threads']} {threads!r}: an integer >= 1, or empty for all cores")
+    elif _threads(threads) is not None and _threads(threads) < 1:
+        problems.append(f"{say['threads']} {_threads(threads)} must be >= 1")
+    return problems
+
+
+def _threads(threads: int | str | None) -> int | None:
+    """A thread count from an option or a parameter's text (None: all cores)."""
+    if isinstance(threads, str):
+        threads = threads.strip()
+        return int(threads) if threads.isdigit() else None
+    return threads
 
 
 # -- the model's settings, read from config.pbtxt's parameters ------------------------------
@@ -168,26 +337,30 @@ class ModelSettings:
     bundle: Path
     backend: str = "ort"
     threads: int | None = None
+    digest: str = ""  # the bundle's, recorded when the repository was written: model.py loads no other
 
     @classmethod
-    def from_parameters(cls, parameters: dict[str, str], version_dir: Path) -> "ModelSettings":
-        """From config.pbtxt's parameters (key -> string value); a wrong one is an InputError."""
+    def from_parameters(cls, parameters: dict[str, str], version_dir: Path, digest: str = "") -> "ModelSettings":
+        """From config.pbtxt's parameters (key -> string value) and its recorded digest; a wrong
+        one is an InputError."""
         path = parameters.get("bundle", "")
         if not path:
             raise InputError("parameter 'bundle' is missing: the bundle's path, relative to the version folder")
         backend = parameters.get("backend", "ort") or "ort"
-        if backend not in BACKENDS:
-            raise InputError(f"parameter 'backend' {backend!r}: choose from {', '.join(BACKENDS)}")
-        threads = parameters.get("threads", "").strip()
-        if threads and not (threads.isdigit() and int(threads) >= 1):
-            raise InputError(f"parameter 'threads' {threads!r}: an integer >= 1, or empty for all cores")
-        return cls(Path(version_dir) / path, backend, int(threads) if threads else None)
+        threads = parameters.get("threads", "")
+        problems = runtime_problems(backend, threads, CONFIG_FIELDS)
+        if problems:
+            raise InputError(problems[0])
+        if not digest.startswith("sha256:"):
+            raise InputError(f'metric_tags "{DIGEST_TAG}" {digest!r} is not a bundle digest (sha256:...); '
+                             "write the repository again")
+        return cls(Path(version_dir) / path, backend, _threads(threads), digest)
 
     @classmethod
     def from_model_config(cls, config: dict, version_dir: Path) -> "ModelSettings":
         """From the model configuration as JSON (what Triton hands the Python backend's `initialize`)."""
         parameters = {k: v.get("string_value", "") for k, v in config.get("parameters", {}).items()}
-        return cls.from_parameters(parameters, version_dir)
+        return cls.from_parameters(parameters, version_dir, config.get("metric_tags", {}).get(DIGEST_TAG, ""))
 
 
 def select_gpu(device_id: int) -> None:
@@ -350,8 +523,9 @@ def template() -> str:
 
 def check_model(model_dir: Path) -> tuple[list[str], str]:
     """(problems, summary) of one specdeploy model folder: its config parses as Triton's
-    ModelConfig and declares what model.py reads and writes, its model.py is this version's,
-    and its bundle loads (checksums included)."""
+    ModelConfig, keeps every rule the writer keeps (setting_problems) and declares what
+    model.py reads and writes, its model.py is this version's, and its bundle loads
+    (checksums included) and is the one whose digest the config records."""
     config_path = model_dir / "config.pbtxt"
     try:
         config = parse_config(config_path)
@@ -361,7 +535,9 @@ def check_model(model_dir: Path) -> tuple[list[str], str]:
     problems: list[str] = []
 
     def problem(message: str) -> None:
-        problems.append(f"{config_path}: {message}")
+        line = f"{config_path}: {message}"
+        if line not in problems:  # a rule model.py also applies is said once
+            problems.append(line)
 
     if config.name and config.name != model_dir.name:
         problem(f'name "{config.name}" differs from its folder "{model_dir.name}" (Triton requires them equal)')
@@ -371,9 +547,15 @@ def check_model(model_dir: Path) -> tuple[list[str], str]:
         problem(f"max_batch_size {config.max_batch_size}: model.py reads unbatched inputs (max_batch_size: 0)")
     if not config.model_transaction_policy.decoupled:
         problem("model_transaction_policy must be { decoupled: true }: the responses stream")
-    for group in config.instance_group:
-        if group.count < 0:
-            problem(f"instance_group count {group.count} must be >= 1")
+    parameters = {k: v.string_value for k, v in config.parameters.items()}
+    bounded = config.HasField("dynamic_batching")
+    queue = config.dynamic_batching.default_queue_policy.max_queue_size if bounded else None
+    backend = parameters.get("backend", "ort") or "ort"
+    for message in setting_problems(
+            config.name or model_dir.name, tuple(g.count for g in config.instance_group), queue, backend,
+            parameters.get("threads", ""), CONFIG_FIELDS,
+            kinds=tuple(pb2.ModelInstanceGroup.Kind.Name(g.kind) for g in config.instance_group)):
+        problem(message)
     for what, declared, expected in (("input", config.input, INPUTS), ("output", config.output, OUTPUTS)):
         verb = "reads" if what == "input" else "writes"
         wanted, seen = {t.name: t for t in expected}, set()
@@ -395,7 +577,7 @@ def check_model(model_dir: Path) -> tuple[list[str], str]:
     versions = sorted(p for p in model_dir.iterdir() if p.is_dir() and p.name.isdigit())
     if not versions:
         problem(f"no version folder (such as {VERSION}/) holds {MODEL_FILE}")
-    parameters = {k: v.string_value for k, v in config.parameters.items()}
+    digest = config.metric_tags.get(DIGEST_TAG, "")
     summary = ""
     for version in versions:
         model_file = version / MODEL_FILE
@@ -405,15 +587,14 @@ def check_model(model_dir: Path) -> tuple[list[str], str]:
         if model_file.read_text(errors="replace") != template():
             problem(f"{model_file} is not the model.py this specdeploy writes (write the repository again)")
         try:
-            settings = ModelSettings.from_parameters(parameters, version)
-            bundle = load_bundle(settings.bundle, verify=True)
+            settings = ModelSettings.from_parameters(parameters, version, digest)
+            bundle = load_bundle(settings.bundle, verify=True, digest=settings.digest)
         except SpecdeployError as e:
             problem(str(e))
             continue
-        queue = config.dynamic_batching.default_queue_policy.max_queue_size  # 0 (or no dynamic_batching): unbounded
-        instances = sum(max(g.count, 1) for g in config.instance_group) or 1
-        summary = (f"{model_dir.name}: bundle {bundle.path} (max_seq {bundle.max_seq}), backend {settings.backend}, "
-                   f"{instances} instance(s), queue {queue or 'unbounded'}")
+        instances = sum(g.count for g in config.instance_group)
+        summary = (f"{model_dir.name}: bundle {bundle.path} (max_seq {bundle.max_seq}, {bundle.digest}), "
+                   f"backend {settings.backend}, {instances} instance(s), queue {queue}")
     return problems, summary
 
 

@@ -1,7 +1,8 @@
 """A specdeploy bundle as a Triton Python-backend model: lossless speculative decoding, streamed.
 
 `specdeploy triton-repo` writes this file as the model's model.py; config.pbtxt's parameters
-name the bundle, the backend and the threads. Triton starts one process per instance; each
+name the bundle, the backend and the threads, and its metric_tags the bundle's digest: a
+bundle edited since the repository was written is refused when the model loads. Triton starts one process per instance; each
 loads the bundle once (a Session: its engines and KV buffers, on the CPU one thread pool for
 both: see share_cpu_threads) and runs one request at a time,
 while Triton queues the others. The model is decoupled: with `stream` true it sends one
@@ -34,7 +35,11 @@ class TritonPythonModel:
             triton.select_gpu(int(args["model_instance_device_id"]))  # before any CUDA work in this process
         if settings.backend == "ort":  # a process of its own: its target and draft take turns on one pool
             share_cpu_threads(settings.threads)
-        self.session = Session(settings.bundle, threads=settings.threads, backend=settings.backend)
+        try:
+            self.session = Session(settings.bundle, threads=settings.threads, backend=settings.backend,
+                                   digest=settings.digest)
+        except SpecdeployError as e:  # the reason in one line: the model stays unloaded
+            raise pb_utils.TritonModelException(str(e).splitlines()[0]) from None
         self.limits = self.session.limits
         pb_utils.Logger.log_info(f"{args['model_instance_name']}: {settings.bundle} loaded ({settings.backend})")
 
