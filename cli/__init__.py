@@ -280,6 +280,16 @@ def build(bundle, workspace_gb, timing_cache, roles):
     build_engines(bundle, workspace_gb, list(roles) or None, timing_cache, log=lambda m: click.echo(m, err=True))
 
 
+def _digest_option(ctx, param, value: str | None) -> str | None:
+    if value is None:
+        return None
+    digits = value.removeprefix("sha256:")
+    if digits == value or len(digits) != 64 or not set(digits) <= set("0123456789abcdef"):
+        raise click.BadParameter(f"{value[:80]!r} is not a bundle digest (sha256: and 64 hex digits, as "
+                                 "`specdeploy inspect` prints it)")
+    return value
+
+
 @main.command()
 @click.argument("bundle", type=click.Path(path_type=Path))
 @click.option("--host", default="127.0.0.1", show_default=True, help="Loopback by default; 0.0.0.0 exposes it.")
@@ -294,11 +304,16 @@ def build(bundle, workspace_gb, timing_cache, roles):
               help="Longer prompts get 400 before tokenizing (default: max_seq x the longest token, at least 64).")
 @click.option("--queue-timeout", type=float, help="Seconds a request may wait for a session; then 503 (default: no limit).")
 @click.option("--graceful-seconds", default=10.0, show_default=True,
-              help="On SIGTERM / Ctrl-C: how long requests in flight may finish before they are cancelled.")
+              help="On SIGTERM / Ctrl-C: how long requests in flight may finish; then each ends with an error "
+                   "(a stream's last event, else a 503).")
+@click.option("--digest", callback=_digest_option,
+              help="sha256:... as `specdeploy inspect` prints it: serve that bundle only; another is refused before "
+                   "listening.")
 @_device_options
 def serve(bundle, host, port, workers, max_queue, threads, model_name, max_body_bytes, max_prompt_chars, queue_timeout,
-          graceful_seconds, device, trt_ep):
+          graceful_seconds, digest, device, trt_ep):
     """Serve BUNDLE over OpenAI-compatible HTTP (completions, chat, SSE streaming, /metrics)."""
+    from specdeploy.core.manifest import load_bundle
     from specdeploy.runtime.serving.server import serve as run_server
 
     if workers < 1 or max_queue < 0:
@@ -310,10 +325,15 @@ def serve(bundle, host, port, workers, max_queue, threads, model_name, max_body_
     _port_free(host, port)
     if workers == 1:  # several sessions at once keep pools of their own: none waits on another's threads
         _share_threads(threads)
-    click.echo(f"serving {bundle} on http://{host}:{port} ({workers} session(s), queue {max_queue})", err=True)
+    pinned = {}  # serve's default unless --digest: any bundle
+    if digest is not None:
+        load_bundle(bundle, verify=False, digest=digest)  # its manifest alone: another bundle is one line, at once
+        pinned = {"digest": digest}
+    click.echo(f"serving {bundle}{f' ({digest})' if digest else ''} on http://{host}:{port} ({workers} session(s), "
+               f"queue {max_queue})", err=True)
     run_server(str(bundle), host, port, workers, max_queue, threads, model_name, max_body_bytes=max_body_bytes,
                graceful_seconds=graceful_seconds, queue_timeout=queue_timeout, max_prompt_chars=max_prompt_chars,
-               device=device, trt_ep=trt_ep)
+               device=device, trt_ep=trt_ep, **pinned)
 
 
 @main.command("triton-repo")

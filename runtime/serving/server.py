@@ -9,23 +9,33 @@ disconnect between rounds at the latest; it then cancels the generation, which g
 session back as soon as the round in progress returns. A request waiting for a session
 gives up its place the same way. Checked before any expensive work, in this order: the
 body size (413), the request's fields and the prompt's length in characters (400), the
-queue bound (503); only then the template and the tokenizer. Every request is counted in
-/metrics exactly once, by its outcome. On SIGTERM uvicorn stops accepting connections and
-lets requests in flight finish for `graceful_seconds`; then it cancels them, and the pool
-ends their generations.
+queue bound (503); only then the template and the tokenizer. A large body is parsed and
+checked in a worker thread, one at a time, so that its JSON and its field checks do not hold
+the event loop. Every request is counted in /metrics exactly once, by its outcome.
+
+On SIGTERM / Ctrl-C (`serve`) the server drains: it keeps listening and answers every new
+request with a JSON 503, while requests in flight finish for `graceful_seconds`. When the
+grace period ends, each answer still running ends whole (`Shutdown.end_grace`): a stream
+with an error event and `data: [DONE]`, never cut inside a chunk; a non-stream request and
+a request still waiting for a session with a JSON 503. Only then does the server stop
+listening; the rounds left running in worker threads end their generations when they return.
 """
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import functools
 import json
 import logging
+import sys
 import threading
 import time
 import uuid
 from typing import Any
 
 import anyio
+import uvicorn
+from uvicorn.main import STARTUP_FAILURE
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.applications import Starlette
@@ -34,7 +44,8 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from specdeploy.core.errors import InputError, SpecdeployError
+from specdeploy.core.errors import BundleError, InputError, SpecdeployError
+from specdeploy.core.manifest import load_bundle
 from specdeploy.runtime.decoding.request import (
     NUMBER, SETTINGS, Limits, Message, Request, RequestError, validate, wire_labels, wire_names,
 )
@@ -45,6 +56,10 @@ log = logging.getLogger("specdeploy.server")
 FINISH = {"eos": "stop", "stop": "stop", "length": "length", "cancelled": "stop", "": None}
 DEFAULT_MAX_BODY_BYTES = 4 << 20  # 4 MiB: a max_seq of 8k tokens as JSON-escaped non-ASCII text still fits
 DEFAULT_GRACEFUL_SECONDS = 10.0
+OFF_LOOP_BYTES = 64 << 10  # a body this large is parsed in a worker thread: its JSON alone can take milliseconds
+FINAL_WRITE_SECONDS = 2.0  # after the grace period: how long the answers ended by the shutdown get to be sent
+SHUTDOWN_MESSAGE = "the server shut down before the answer was complete"
+_ENDED = object()  # what `_Run._round` gives when the grace period ended before the round
 
 
 class BadRequest(InputError):
@@ -130,6 +145,12 @@ def _parse_json(raw: bytes) -> Any:
         raise BadRequest("the request body is not valid JSON (nested too deeply)") from None
     except ValueError as e:  # e.g. an integer past Python's digit limit
         raise BadRequest(f"the request body is not valid JSON ({str(e).splitlines()[0][:120]})") from None
+
+
+def _parse(raw: bytes, chat: bool, limits: Limits) -> tuple[Request, bool]:
+    """The body's JSON, then its fields: `parse_request`. A 4 MB array of token ids takes the
+    two about half a second, which is why a large body runs this in a worker thread."""
+    return parse_request(_parse_json(raw), chat, limits)
 
 
 async def _read_body(request: Request, limit: int) -> bytes:
@@ -220,15 +241,48 @@ def _next(gen):
     return next(gen, None)
 
 
+# -- shutting down ---------------------------------------------------------------------------
+
+class Shutdown:
+    """The app's side of a drain, on the event loop: `begin()` when the signal comes (new
+    requests get 503), `end_grace()` when the grace period is over (every answer still
+    running ends now, whole). `serve` drives it; a server that never calls `begin` still gets
+    `end_grace` from the app's lifespan shutdown."""
+
+    def __init__(self, pool: SessionPool):
+        self.pool = pool
+        self.stopping = False  # the signal came: new requests are refused
+        self.over = False  # the grace period is over: running answers end
+        self.runs: set[_Run] = set()  # the answers running now
+
+    def reopen(self) -> None:
+        """Serve again (a server starting over the same pool)."""
+        self.pool.reopen()
+        self.stopping = self.over = False
+
+    def begin(self) -> None:
+        self.stopping = True
+
+    def end_grace(self) -> None:
+        self.stopping = self.over = True
+        # waiting requests give up their place (and get their 503); generations end after their round
+        self.pool.shutdown()
+        for run in list(self.runs):
+            run.end_now()
+
+
 # -- the app -------------------------------------------------------------------------------
 
 def create_app(
     pool: SessionPool, model_name: str = "specdeploy", *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-    max_prompt_chars: int | None = None,
+    max_prompt_chars: int | None = None, shutdown: Shutdown | None = None,
 ) -> Starlette:
+    """`shutdown`: how `serve` drains the app (see Shutdown); by default one of its own."""
     metrics = Metrics()
     limits = Limits.of(pool.session, max_chars=max_prompt_chars)  # the prompt's characters: see Limits.of
+    shutdown = shutdown if shutdown is not None else Shutdown(pool)
     limiter: list[anyio.CapacityLimiter] = []  # made on the event loop, at the first request
+    parse_limiter: list[anyio.CapacityLimiter] = []
 
     def acquire_limiter() -> anyio.CapacityLimiter:
         # Threads that wait for a session are kept out of the default pool (40 threads) that
@@ -237,13 +291,28 @@ def create_app(
             limiter.append(anyio.CapacityLimiter(pool.max_queue + len(pool.sessions) + 64))
         return limiter[0]
 
+    def acquire_parse_limiter() -> anyio.CapacityLimiter:
+        # Large bodies are parsed one at a time: json's parser holds the GIL for a whole body,
+        # so each one more at once is one more the event loop may wait behind.
+        if not parse_limiter:
+            parse_limiter.append(anyio.CapacityLimiter(1))
+        return parse_limiter[0]
+
     async def completions(request: Request, chat: bool) -> Response:
         endpoint = "chat" if chat else "completions"
         outcome = _Outcome(metrics, endpoint)
         started = time.perf_counter()
+        if shutdown.stopping:
+            outcome("503")
+            return _error(503, "the server is shutting down; retry later", "overloaded",
+                          headers={"connection": "close", "retry-after": "1"})
         try:
-            body = _parse_json(await _read_body(request, max_body_bytes))
-            req, stream = parse_request(body, chat, limits)
+            raw = await _read_body(request, max_body_bytes)
+            if len(raw) < OFF_LOOP_BYTES:
+                req, stream = _parse(raw, chat, limits)
+            else:
+                req, stream = await anyio.to_thread.run_sync(_parse, raw, chat, limits,
+                                                             limiter=acquire_parse_limiter())
             pool.check_capacity()  # before the template and the tokenizer
             req = await run_in_threadpool(_encode, pool, req)
         except TooLarge as e:
@@ -265,12 +334,14 @@ def create_app(
             log.exception("unexpected error while reading a request")
             outcome("500")
             return _error(500, f"internal error ({type(e).__name__})", "server_error")
-        return _Run(pool, metrics, outcome, req, stream, chat, model_name, started, acquire_limiter())
+        return _Run(pool, metrics, outcome, req, stream, chat, model_name, started, acquire_limiter(), shutdown)
 
     async def health(request: Request) -> Response:
-        return JSONResponse({"status": "stopping" if pool.closing.is_set() else "ok", "model": model_name,
+        stopping = shutdown.stopping or pool.closing.is_set()
+        return JSONResponse({"status": "stopping" if stopping else "ok", "model": model_name,
+                             "digest": pool.bundle.digest,  # the bundle served, as `specdeploy inspect` prints it
                              "sessions": len(pool.sessions), "in_flight": pool.in_flight, "waiting": pool.waiting,
-                             "max_queue": pool.max_queue})
+                             "max_queue": pool.max_queue}, 503 if stopping else 200)
 
     async def metrics_endpoint(request: Request) -> Response:
         metrics.queue.set(pool.waiting)
@@ -294,10 +365,10 @@ def create_app(
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
-        pool.reopen()
+        shutdown.reopen()
         yield
-        # uvicorn's grace period is over (or nothing was in flight): end what still runs
-        pool.shutdown()
+        # the grace period is over (or nothing was in flight): end what still runs
+        shutdown.end_grace()
 
     return Starlette(
         routes=[
@@ -327,13 +398,21 @@ class _Run:
     client's disconnect. Nothing is sent before the first round has run, so a failure up to
     there is a JSON error with its own status, never a 200 cut short."""
 
-    def __init__(self, pool, metrics, outcome, req: Request, stream: bool, chat, model_name, started, limiter):
+    def __init__(self, pool, metrics, outcome, req: Request, stream: bool, chat, model_name, started, limiter,
+                 shutdown: Shutdown):
         self.pool, self.metrics, self.outcome, self.req, self.chat = pool, metrics, outcome, req, chat
-        self.started, self.limiter, self.stream = started, limiter, stream
+        self.started, self.limiter, self.stream, self.shutdown = started, limiter, stream, shutdown
         self.base = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}", "created": int(time.time()),
                      "model": model_name}
         self.cancel = threading.Event()  # set when the client leaves
         self.gen = None
+        self.round_scope: anyio.CancelScope | None = None  # while a round runs in its worker thread
+
+    def end_now(self) -> None:
+        """The grace period is over: stop waiting for the round in progress (its thread ends
+        the generation when it returns) and end the answer (see `_generate`)."""
+        if self.round_scope is not None:
+            self.round_scope.cancel()
 
     def _client_left(self) -> None:
         self.cancel.set()
@@ -358,6 +437,7 @@ class _Run:
             except OSError:  # ASGI 2.4 servers say so when the client has gone
                 self._client_left()
 
+        self.shutdown.runs.add(self)
         try:
             async with anyio.create_task_group() as tasks:
                 tasks.start_soon(watch)
@@ -366,6 +446,7 @@ class _Run:
                 finally:
                     tasks.cancel_scope.cancel()
         finally:
+            self.shutdown.runs.discard(self)
             self.outcome("cancelled")  # counted already, unless it ended without an answer
 
     async def _json(self, send, status: int, payload: dict, headers: dict | None = None) -> None:
@@ -379,12 +460,18 @@ class _Run:
         await self._json(send, status, _error_body(message, kind, param), headers)
 
     async def _run(self, send) -> None:
+        if self.shutdown.over:  # made before the grace period ended, run after
+            return await self._fail(send, 503, SHUTDOWN_MESSAGE, "overloaded", "cancelled")
         try:
             self.gen = gen = await anyio.to_thread.run_sync(
                 functools.partial(self.pool.start, self.req, cancel=self.cancel), limiter=self.limiter)
         except Cancelled:
-            self.outcome("cancelled")
-            return
+            if self.cancel.is_set():  # the client left: nobody reads an answer
+                self.outcome("cancelled")
+                return
+            # the server shut down while it waited for a session
+            return await self._fail(send, 503, SHUTDOWN_MESSAGE, "overloaded", "cancelled",
+                                    headers={"retry-after": "1"})
         except QueueTimeout as e:
             return await self._fail(send, 503, str(e), "timeout", "timeout", headers={"retry-after": "1"})
         except Overloaded as e:
@@ -404,6 +491,17 @@ class _Run:
                 gen.cancel()
                 gen.close()
 
+    async def _round(self, gen):
+        """The next piece (one round, in a worker thread; None at the end), or `_ENDED` when
+        the grace period ends first: the round then goes on in its thread, and the generation
+        ends when it returns."""
+        with anyio.CancelScope() as self.round_scope:
+            try:
+                return await anyio.to_thread.run_sync(_next, gen, abandon_on_cancel=True)
+            finally:
+                self.round_scope = None
+        return _ENDED
+
     async def _generate(self, gen, send) -> None:
         chat, kind = self.chat, "chat.completion.chunk" if self.chat else "text_completion"
         texts, started_stream = [], False
@@ -411,15 +509,30 @@ class _Run:
         def event(payload) -> dict:
             return {"type": "http.response.body", "body": f"data: {json.dumps(payload)}\n\n".encode(), "more_body": True}
 
+        async def shut() -> None:
+            # the grace period is over: the answer ends whole, a stream after its last whole chunk
+            gen.cancel()
+            gen.close()  # at once, or when the round in its thread returns: the session goes back
+            if not started_stream:
+                return await self._fail(send, 503, SHUTDOWN_MESSAGE, "overloaded", "cancelled",
+                                        headers={"retry-after": "1"})
+            self.outcome("cancelled")
+            await send(event(_error_body(SHUTDOWN_MESSAGE, "overloaded")))
+            await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
+
         try:
             while True:
                 if self.cancel.is_set():
                     self.outcome("cancelled")
                     return
-                piece = await run_in_threadpool(_next, gen)  # one round, in a worker thread
+                if self.shutdown.over:
+                    return await shut()
+                piece = await self._round(gen)
                 if self.cancel.is_set():
                     self.outcome("cancelled")
                     return
+                if piece is _ENDED:
+                    return await shut()
                 if self.stream and not started_stream:
                     started_stream = True
                     await send({"type": "http.response.start", "status": 200, "headers": [
@@ -453,13 +566,7 @@ class _Run:
             return
         stats = gen.stats
         if stats.finish_reason == "cancelled":  # ended by the server shutting down, not by the client
-            if not started_stream:
-                return await self._fail(send, 503, "the server shut down before the answer was complete",
-                                        "overloaded", "cancelled")
-            self.outcome("cancelled")
-            await send(event(_error_body("the server shut down before the answer was complete", "overloaded")))
-            await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
-            return
+            return await shut()
         self.metrics.record(stats, time.perf_counter() - self.started)
         finish = FINISH[stats.finish_reason]
         self.outcome("200")
@@ -490,18 +597,53 @@ def _usage(stats) -> dict:
             "prompt_tokens_details": {"cached_tokens": stats.cached_tokens}}  # reused from the prompt cache
 
 
+class _Draining(uvicorn.Server):
+    """uvicorn, draining as the module docstring says: on the signal it keeps listening (so a
+    new request gets its 503, not a refused connection) while the requests in flight finish,
+    for `grace` seconds at most; then `Shutdown.end_grace` ends the answers left, and uvicorn
+    stops as it does, giving them FINAL_WRITE_SECONDS to be sent."""
+
+    def __init__(self, config: uvicorn.Config, shutdown: Shutdown, grace: float):
+        super().__init__(config)
+        self.drain, self.grace = shutdown, grace
+
+    async def shutdown(self, sockets=None) -> None:
+        self.drain.begin()
+        for connection in list(self.server_state.connections):
+            connection.shutdown()  # an idle keep-alive connection closes; a busy one after its answer
+        deadline = time.monotonic() + self.grace
+        while self.server_state.tasks and not self.force_exit and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        self.drain.end_grace()
+        await super().shutdown(sockets)
+
+
 def serve(bundle: str, host: str = "127.0.0.1", port: int = 8000, workers: int = 1, max_queue: int = 8,
           threads: int | None = None, model_name: str | None = None, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
           graceful_seconds: float = DEFAULT_GRACEFUL_SECONDS, queue_timeout: float | None = None,
-          max_prompt_chars: int | None = None, device: str | None = None, trt_ep: bool = False) -> None:
-    """Serve until SIGINT / SIGTERM; then uvicorn stops accepting, lets requests in flight
-    finish for `graceful_seconds` (its `timeout_graceful_shutdown`), cancels the rest, and
-    the app's shutdown ends their generations after their current round. `device`, `trt_ep`:
-    where the sessions run (as for Session)."""
-    import uvicorn
-
+          max_prompt_chars: int | None = None, device: str | None = None, trt_ep: bool = False,
+          digest: str | None = None) -> None:
+    """Serve until SIGINT / SIGTERM; then drain for `graceful_seconds` as the module
+    docstring says. `device`, `trt_ep`: where the sessions run (as for Session). `digest`
+    ("sha256:...", as `specdeploy inspect` prints it): the bundle must be that one; any other
+    is refused (BundleError, one line) before the sessions load and before listening. /health
+    states the digest served."""
+    if digest is not None:  # the manifest alone, at once: another bundle is refused before anything loads
+        load_bundle(bundle, verify=False, digest=digest)
     pool = SessionPool(bundle, workers=workers, max_queue=max_queue, threads=threads, wait_seconds=queue_timeout,
                        device=device, trt_ep=trt_ep)
+    if digest is not None and pool.bundle.digest != digest:  # its manifest changed since: still not the pinned one
+        raise BundleError(f"{bundle}: bundle digest {pool.bundle.digest} is not the {digest[:80]} required; "
+                          "the bundle changed while it loaded")
+    shutdown = Shutdown(pool)
     app = create_app(pool, model_name or pool.bundle.path.name, max_body_bytes=max_body_bytes,
-                     max_prompt_chars=max_prompt_chars)
-    uvicorn.run(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=graceful_seconds)
+                     max_prompt_chars=max_prompt_chars, shutdown=shutdown)
+    config = uvicorn.Config(app, host=host, port=port, log_level="warning",
+                            timeout_graceful_shutdown=FINAL_WRITE_SECONDS)
+    server = _Draining(config, shutdown, graceful_seconds)
+    try:
+        server.run()
+    except KeyboardInterrupt:  # Ctrl-C, re-raised once the server has drained (as uvicorn.run does)
+        pass
+    if not server.started:  # uvicorn said why (the port taken, ...); its exit status, as uvicorn.run's
+        sys.exit(STARTUP_FAILURE)
