@@ -28,6 +28,16 @@ def kv_names(num_layers: int) -> list[tuple[str, str]]:
 
 LOGITS_ROWS = "logits_rows"
 
+# A graph states the manifest fields that change how the runtime drives it, in the ONNX model's
+# metadata under this key (JSON), so that a manifest that contradicts its graph (an exact graph
+# said to be fused, a window the graph does not have) is refused when the graph loads.
+GRAPH_FACTS = "specdeploy.graph"
+
+
+def graph_facts(spec) -> dict:
+    """The facts of a ModelSpec that its graph must agree with."""
+    return {"attention": spec.attention, "dtype": spec.dtype, "sliding_window": spec.sliding_window}
+
 
 def io_names(num_layers: int, logits_rows: bool = True) -> tuple[list[str], list[str]]:
     """The graph's input and output names, in order (`logits_rows`: a graph that takes the

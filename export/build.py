@@ -23,7 +23,7 @@ from typing import Callable
 import torch
 
 from specdeploy.core.errors import BundleError, ExportError
-from specdeploy.core.graph_io import LOGITS_ROWS, io_names, kv_names
+from specdeploy.core.graph_io import LOGITS_ROWS, graph_facts, io_names, kv_names
 from specdeploy.core.choices import DTYPES, KV_DTYPE, QUANT_SCHEMES
 from specdeploy.core.manifest import ATTENTIONS, FORMAT, MANIFEST, Manifest, ModelSpec, TokenizerEntry, checksums, file_sizes, write_manifest
 
@@ -208,8 +208,9 @@ def _export_model(
     fused = attention == "fused"
     if graph.quantization is not None or fused:  # ONNX Runtime's graphs: its contrib ops
         graph.use_contrib_ops(max_seq, fused=fused)
-    export_onnx(graph, work / graph_file, max_seq, TORCH_DTYPE[dtype], optimize=not graph.contrib_ops)
     spec = model_entry(graph, source, role, graph_file, dtype, max_seq).replace(attention=attention)
+    export_onnx(graph, work / graph_file, max_seq, TORCH_DTYPE[dtype], optimize=not graph.contrib_ops,
+                facts=graph_facts(spec))
     log(f"  {role}: exported {graph.num_layers} layers ({dtype}, {attention} attention) in "
         f"{time.perf_counter() - t0:.1f}s; checking parity")
     # A quantized graph is compared with its own eager module (dequantized weights, int8

@@ -1,6 +1,7 @@
 """Graph -> ONNX, and the on-the-spot parity check against PyTorch eager."""
 from __future__ import annotations
 
+import json
 import logging
 import warnings
 from pathlib import Path
@@ -8,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from specdeploy.core.graph_io import LOGITS_ROWS, attention_mask, io_names
+from specdeploy.core.graph_io import GRAPH_FACTS, LOGITS_ROWS, attention_mask, io_names
 from specdeploy.core.manifest import ModelSpec
 from specdeploy.core.errors import ExportError
 
@@ -45,7 +46,8 @@ def kv_buffers(graph: SpecGraph, max_seq: int, dtype: torch.dtype) -> list[torch
     return [torch.zeros(shape, dtype=dtype) for _ in range(2 * graph.num_layers)]
 
 
-def export_onnx(graph: SpecGraph, path: Path, max_seq: int, kv_dtype: torch.dtype, optimize: bool = True) -> None:
+def export_onnx(graph: SpecGraph, path: Path, max_seq: int, kv_dtype: torch.dtype, optimize: bool = True,
+                facts: dict | None = None) -> None:
     """Export with torch.onnx (dynamo), name the dynamic dims T and L, run onnx.checker.
 
     `optimize` runs the exporter's graph optimizer (constant folding: TensorRT's parser
@@ -93,6 +95,8 @@ def export_onnx(graph: SpecGraph, path: Path, max_seq: int, kv_dtype: torch.dtyp
     model = onnx.load(str(path))
     _name_dims(model)
     _drop_unused_outputs(model)
+    if facts is not None:  # what the manifest will say of this graph (core/graph_io.py GRAPH_FACTS)
+        onnx.helper.set_model_props(model, {GRAPH_FACTS: json.dumps(facts, sort_keys=True)})
     onnx.save(model, str(path))
     onnx.checker.check_model(str(path), full_check=True)
     ops = {n.op_type for n in model.graph.node}

@@ -66,3 +66,19 @@ def test_a_manifest_that_is_a_link_is_refused(copy_of, tmp_path):
     shutil.move(path / "manifest.json", real)
     os.symlink(real, path / "manifest.json")
     assert_one_line_error(generate(path), "is a symbolic link")
+
+
+@pytest.mark.parametrize("bundle, change, fragment", [
+    ("llama-ngram", lambda m: m["models"]["target"].__setitem__("attention", "fused"),
+     "the graph's attention is 'exact', the manifest says 'fused'"),
+    ("llama-ngram", lambda m: m["models"]["target"].__setitem__("sliding_window", 40),
+     "the graph's sliding_window is None, the manifest says 40"),
+    ("mistral-model", lambda m: m["models"]["target"].__setitem__("sliding_window", None),
+     "the graph's sliding_window is 40, the manifest says None"),
+    ("llama-ngram", lambda m: m["models"]["target"].__setitem__("dtype", "fp16"),
+     "the graph's dtype is 'fp32', the manifest says 'fp16'"),
+])
+def test_settings_that_contradict_the_graph_are_refused_when_it_loads(copy_of, bundle, change, fragment):
+    path = copy_of(bundle)
+    edit(path, change)
+    assert_one_line_error(generate(path), "target.onnx: " + fragment)

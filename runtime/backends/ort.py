@@ -20,6 +20,7 @@ error, checked against `session.get_providers()`.
 """
 from __future__ import annotations
 
+import json
 import logging
 import os
 import threading
@@ -31,7 +32,7 @@ import numpy as np
 import onnxruntime as ort
 
 from specdeploy.core.errors import BundleError, InputError
-from specdeploy.core.graph_io import LOGITS_ROWS, check_pass, fill_mask, fill_tree_mask, io_names, window_length
+from specdeploy.core.graph_io import GRAPH_FACTS, LOGITS_ROWS, check_pass, fill_mask, fill_tree_mask, graph_facts, io_names, window_length
 from specdeploy.core.choices import DTYPES, FLOAT_DTYPES
 from specdeploy.core.manifest import ModelSpec
 from specdeploy.runtime.decoding.tree import TreeLayout
@@ -334,6 +335,16 @@ def _load(graph_path: Path, spec: ModelSpec, max_seq: int, threads: int | None, 
             f"{graph_path}: its inputs and outputs are not the graph contract's for {spec.num_layers} layers "
             f"(missing {missing[:4]}, unexpected {extra[:4]}); re-export the bundle"
         )
+    stated = session.get_modelmeta().custom_metadata_map.get(GRAPH_FACTS)  # absent in bundles exported before it
+    if stated is not None:
+        try:
+            graph_said = json.loads(stated)
+        except ValueError:
+            graph_said = {}
+        for key, value in graph_facts(spec).items():
+            if key in graph_said and graph_said[key] != value:
+                raise BundleError(f"{graph_path}: the graph's {key} is {graph_said[key]!r}, the manifest says {value!r}; "
+                                  "re-export the bundle")
     kv = [None, spec.num_kv_heads, max_seq, spec.head_dim]
     for value in session.get_inputs() + session.get_outputs():
         want, fields = ((kv, "num_kv_heads, max_seq, head_dim") if value.name.startswith(("past_", "present_"))
