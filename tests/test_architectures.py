@@ -23,6 +23,8 @@ from specdeploy.runtime import Session
 from test_lossless import hf_greedy
 from tiny import PROMPTS
 
+pytestmark = pytest.mark.bundle  # every test here exports bundles of its own
+
 MAX_SEQ = 128
 NEW_TOKENS = 40  # with the longest prompt, past every sliding window below
 DRAFT_LENS = (1, 3, 8)

@@ -8,7 +8,10 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
+
+pytestmark = pytest.mark.bundle  # builds models and runs the whole proof script
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "proofs" / "gpu_check.py"
