@@ -147,8 +147,10 @@ class Generation:
 class Session:
     """A bundle loaded once, with its engines' buffers allocated once.
 
-    A session runs one generation at a time (its KV buffers are its state); starting a
-    second while one runs is an error. For concurrent callers use `SessionPool`.
+    A session runs one generation at a time (its KV buffers are its state). Starting a second
+    while another thread is inside a round of the first is an error; starting one while the
+    first is paused between rounds ends the first (its next read says so), so a generation
+    its caller abandoned never holds the session. For concurrent callers use `SessionPool`.
     """
 
     def __init__(
