@@ -1,10 +1,10 @@
 """The GPU proof of the torch backend (issues 6 and 17): one script, one device call, nothing
 to download.
 
-    python benchmarks/gpu_check.py OUT            # a CUDA machine: every section, ~5 min on an H200
-    python benchmarks/gpu_check.py --quick OUT    # draft lengths 1,2,4,8 and 64 tokens: ~3 min
-    python benchmarks/gpu_check.py --tiny OUT     # tiny models, runs on a CPU (rehearses the script, ~25 s)
-    python benchmarks/gpu_check.py --max-layers 1 --quick --pairs 8b+1b OUT
+    python proofs/gpu_check.py OUT            # a CUDA machine: every section, ~5 min on an H200
+    python proofs/gpu_check.py --quick OUT    # draft lengths 1,2,4,8 and 64 tokens: ~3 min
+    python proofs/gpu_check.py --tiny OUT     # tiny models, runs on a CPU (rehearses the script, ~25 s)
+    python proofs/gpu_check.py --max-layers 1 --quick --pairs 8b+1b OUT
                                                   # real widths and vocabularies cut to one layer: on a
                                                   # CPU, checks that the real shapes build and run
 

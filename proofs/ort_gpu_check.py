@@ -1,8 +1,8 @@
 """The ONNX Runtime GPU check, for a machine with onnxruntime-gpu and an NVIDIA GPU.
 
-    python benchmarks/ort_gpu_check.py engines/NAME [--device cuda:0] [--trt-ep] [--prompts FILE] [--limit 4]
+    python -m proofs.ort_gpu_check engines/NAME [--device cuda:0] [--trt-ep] [--prompts FILE] [--limit 4]
         [--max-new-tokens 48] [--lens 1,2,4,8] [--context 256] [--repeats 50] [--threads N] [--skip-cpu] [--json OUT]
-    python benchmarks/ort_gpu_check.py engines/NAME --device cpu ...   # the rehearsal, on the CPU provider
+    python -m proofs.ort_gpu_check engines/NAME --device cpu ...   # the rehearsal, on the CPU provider
 
 Every step runs the runtime's own code; nothing here imports torch. With `--device cpu` the
 "device" engines are CPU engines with the CUDA-graph bookkeeping on (`Placement(capture=True)`:
@@ -39,6 +39,8 @@ import time
 from pathlib import Path
 
 import numpy as np
+
+from proofs.parity import compare_passes
 
 PROMPTS = Path(__file__).resolve().parents[1] / "benchmarks"
 BOUNDS = {"fp32": 1e-3, "fp16": 5e-2, "int8": 0.25, "int4": 0.25}
@@ -227,14 +229,7 @@ def _schedule(max_seq: int, max_draft: int, chunk: int) -> list[tuple[int, int]]
 def _parity(got_engine, want_engine, bundle) -> dict:
     schedule = _schedule(bundle.max_seq, bundle.max_draft, bundle.prefill_chunk)
     ids = np.random.default_rng(0).integers(0, want_engine.vocab_size, size=bundle.max_seq)
-    worst, differ, rows = 0.0, 0, 0
-    for start, t in schedule:
-        got = got_engine.forward(ids[start : start + t], start).copy()
-        want = want_engine.forward(ids[start : start + t], start)
-        worst = max(worst, float(np.abs(got - want).max()) / max(1.0, float(np.abs(want).max())))
-        differ += int((got.argmax(-1) != want.argmax(-1)).sum())
-        rows += t
-    return {"passes": len(schedule), "max_rel_diff": worst, "argmax_differ": differ, "rows": rows}
+    return compare_passes(got_engine, want_engine, ids, schedule)
 
 
 def _prompts(session, args) -> list[np.ndarray]:

@@ -1,6 +1,6 @@
 """The TensorRT checks, for a person on a machine with TensorRT (>= 10.15) and an NVIDIA GPU.
 
-    python benchmarks/trt_check.py engines/NAME [--workspace-gb 4] [--rebuild] [--context 256]
+    python -m proofs.trt_check engines/NAME [--workspace-gb 4] [--rebuild] [--context 256]
         [--repeats 50] [--prompts FILE] [--limit 4] [--max-new-tokens 48] [--json OUT]
 
 1. static: `check_bundle` (the parser's operator table) must list nothing.
@@ -30,6 +30,8 @@ import time
 from pathlib import Path
 
 import numpy as np
+
+from proofs.parity import compare_passes
 
 PROMPTS = Path(__file__).resolve().parents[1] / "benchmarks"
 
@@ -141,16 +143,9 @@ def _parity(bundle, role, args) -> dict:
     schedule = parity_schedule(bundle.max_seq, bundle.max_draft, bundle.prefill_chunk)
     total = sum(t for _, t in schedule)
     ids = np.random.default_rng(0).integers(0, trt_engine.vocab_size, size=total)
-    worst, differ, rows = 0.0, 0, 0
-    for start, t in schedule:
-        got = trt_engine.forward(ids[start : start + t], start).copy()
-        want = ort_engine.forward(ids[start : start + t], start)
-        worst = max(worst, float(np.abs(got - want).max()) / max(1.0, float(np.abs(want).max())))
-        differ += int((got.argmax(-1) != want.argmax(-1)).sum())
-        rows += t
+    compared = compare_passes(trt_engine, ort_engine, ids, schedule)
     trt_engine.close()
-    return {"dtype": dtype, "passes": len(schedule), "max_rel_diff": worst, "bound": bound, "argmax_differ": differ,
-            "rows": rows, "graphs": trt_engine.stats}
+    return {"dtype": dtype, **compared, "bound": bound, "graphs": trt_engine.stats}
 
 
 def _decode(target, drafter, ids, k, args, bundle, stats=None):

@@ -1,4 +1,4 @@
-"""benchmarks/gpu_check.py rehearsed on the CPU (--tiny): the GPU proof script (issue 17) must run
+"""proofs/gpu_check.py rehearsed on the CPU (--tiny): the GPU proof script (issue 17) must run
 end to end before a device is lent to it, through the import path the device uses (the checkout's
 folders mapped onto `specdeploy.*`, no install). About 25 s."""
 import json

@@ -1,7 +1,7 @@
 """The torch backend (eager on this CPU): the export stage's own module over static
 buffers gives ONNX Runtime's logits, the same greedy output, and keeps its buffers.
 
-The CUDA-graph path is proved on a GPU by benchmarks/gpu_check.py; here the fixed-window
+The CUDA-graph path is proved on a GPU by proofs/gpu_check.py; here the fixed-window
 formulation it captures runs eager and is checked against the exact window."""
 import numpy as np
 import pytest
@@ -177,7 +177,7 @@ def test_missing_source_is_a_bundle_error(bundles, tmp_path):
 def test_capture_is_off_without_cuda(bundles):
     _, engine = _engines(bundles("llama-model"), capture=True)
     if torch.cuda.is_available():
-        pytest.skip("this machine has CUDA: benchmarks/gpu_check.py covers capture")
+        pytest.skip("this machine has CUDA: proofs/gpu_check.py covers capture")
     assert engine.capture is False and engine.buckets is False
 
 

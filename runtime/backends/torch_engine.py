@@ -19,7 +19,7 @@ kernel adds them may differ, i.e. the same rounding class as any change of kerne
 Buckets keep the attention's cost following the context (at most 2x the exact window),
 and the number of graphs small: one per (T, Lb), T <= max draft + 1; prefill chunks run
 eager with the exact window. `tests/test_torch_backend.py` checks bucketed against exact
-on the CPU, `benchmarks/gpu_check.py` checks replay against eager on a GPU.
+on the CPU, `proofs/gpu_check.py` checks replay against eager on a GPU.
 
 Host synchronisation: inputs go up as one small copy from pinned memory (the token ids and
 the write position; positions and mask are computed on the device), the logits come back
