@@ -1,4 +1,5 @@
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -67,6 +68,17 @@ def bundles(models, tmp_path_factory):
         return built[name]
 
     return get
+
+
+@pytest.fixture
+def copy_of(bundles, tmp_path):
+    """A copy of an exported bundle, to tamper with: copy_of(name) -> its folder."""
+    def make(name="llama-self"):
+        dst = tmp_path / name
+        shutil.copytree(bundles(name), dst)
+        return dst
+
+    return make
 
 
 # Fixtures that build source models or export bundles: a test that reaches any of them (directly

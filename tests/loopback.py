@@ -8,6 +8,7 @@ import re
 import socket
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import uvicorn
@@ -100,3 +101,26 @@ def slow_down(pool, seconds: float) -> None:
             return _forward(*args, **kwargs)
 
         target.forward = slowed
+
+
+SLOW_SERVE = """
+import sys
+sys.path.insert(0, {tests!r})
+from loopback import slow_down
+from specdeploy.runtime.serving import server
+
+class SlowPool(server.SessionPool):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        slow_down(self, {seconds!r})
+
+server.SessionPool = SlowPool
+server.serve({bundle!r}, port={port}, **{options!r})
+"""
+
+
+def slow_serve_script(bundle, port: int, seconds: float = 0.05, **options) -> str:
+    """A `python -c` script that runs `serve` (with `options`) over sessions slowed by
+    `seconds` a pass: for the tests that send the process signals."""
+    return SLOW_SERVE.format(tests=str(Path(__file__).parent), bundle=str(bundle), port=port, seconds=seconds,
+                             options=options)

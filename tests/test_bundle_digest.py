@@ -5,7 +5,6 @@ without being read."""
 import hashlib
 import json
 import os
-import shutil
 
 import pytest
 from click.testing import CliRunner
@@ -17,10 +16,8 @@ from specdeploy.core.manifest import load_bundle
 
 
 @pytest.fixture
-def bundle(bundles, tmp_path):
-    dst = tmp_path / "b"
-    shutil.copytree(bundles("llama-ngram"), dst)
-    return dst
+def bundle(copy_of):
+    return copy_of("llama-ngram")
 
 
 def test_inspect_prints_the_digest_of_the_manifest(bundle):

@@ -26,16 +26,6 @@ def run(*args):
     return CliRunner().invoke(main, [str(a) for a in args])
 
 
-@pytest.fixture
-def copy_of(bundles, tmp_path):
-    def make(name="llama-self"):
-        dst = tmp_path / name
-        shutil.copytree(bundles(name), dst)
-        return dst
-
-    return make
-
-
 def edit_manifest(path: Path, change) -> None:
     manifest = json.loads((path / "manifest.json").read_text())
     change(manifest)

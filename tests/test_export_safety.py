@@ -71,17 +71,6 @@ def test_a_prefill_chunk_out_of_range_stops_before_any_work(tmp_path, chunk):
     assert not (tmp_path / "out").exists()
 
 
-def test_a_failure_inside_removes_the_work_folder_and_keeps_the_old_bundle(tmp_path):
-    out = tmp_path / "b"
-    out.mkdir()
-    (out / "manifest.json").write_text('{"format": "specdeploy-bundle"}')
-    with pytest.raises(RuntimeError):
-        with atomic_folder(out) as work:
-            (work / "x").write_text("half")
-            raise RuntimeError("boom")
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["b"] and (out / "manifest.json").is_file()
-
-
 def test_a_killed_exports_work_folder_goes_at_the_next_export_and_nothing_else(tmp_path):
     out = tmp_path / "b"
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)

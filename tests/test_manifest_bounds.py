@@ -1,7 +1,6 @@
 """The manifest is bounded and consistent: every field a tampered or careless bundle could set
 to make the runtime loop, allocate or guess is a one-line error naming it, read before any
 file is hashed or any graph is loaded."""
-import json
 import os
 import shutil
 
@@ -10,23 +9,8 @@ from click.testing import CliRunner
 
 from specdeploy.cli import main
 
+from test_bundle_hardening import edit_manifest as edit
 from test_errors import assert_one_line_error
-
-
-@pytest.fixture
-def copy_of(bundles, tmp_path):
-    def make(name):
-        dst = tmp_path / name
-        shutil.copytree(bundles(name), dst)
-        return dst
-
-    return make
-
-
-def edit(path, change):
-    manifest = json.loads((path / "manifest.json").read_text())
-    change(manifest)
-    (path / "manifest.json").write_text(json.dumps(manifest))
 
 
 def generate(path):

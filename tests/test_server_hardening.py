@@ -6,17 +6,15 @@ import os
 import signal
 import subprocess
 import sys
-import textwrap
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import httpx
 import pytest
 
 from specdeploy.runtime.serving.pool import SessionPool
-from loopback import Server, free_port, slow_down, sse_events, sse_text
+from loopback import Server, free_port, slow_down, slow_serve_script, sse_events, sse_text
 from tiny import PROMPTS
 
 LONG = {"max_tokens": 100, "temperature": 0, "draft_len": 0}  # 100 slowed passes: >= 5 s
@@ -86,26 +84,10 @@ def test_a_client_that_gives_up_while_queued_gives_back_its_queue_slot(slow_serv
     slow_server.wait_idle(within=1.0)  # and it did not take the session once it came free
 
 
-SERVE = textwrap.dedent("""
-    import sys, time
-    sys.path.insert(0, {tests!r})
-    from loopback import slow_down
-    from specdeploy.runtime.serving import server
-
-    class SlowPool(server.SessionPool):
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, **kwargs)
-            slow_down(self, 0.05)
-
-    server.SessionPool = SlowPool
-    server.serve({bundle!r}, port={port}, workers=1, max_queue=4, graceful_seconds=1.5)
-""")
-
-
 def test_sigterm_drains_in_flight_requests_then_stops_within_the_grace_period(bundles):
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    script = SERVE.format(tests=str(Path(__file__).parent), bundle=str(bundles("llama-model")), port=port)
+    script = slow_serve_script(bundles("llama-model"), port, workers=1, max_queue=4, graceful_seconds=1.5)
     proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
     try:
@@ -155,7 +137,7 @@ def test_sigterm_drains_in_flight_requests_then_stops_within_the_grace_period(bu
 def test_sigterm_lets_a_request_that_fits_in_the_grace_period_finish(bundles):
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    script = SERVE.format(tests=str(Path(__file__).parent), bundle=str(bundles("llama-model")), port=port)
+    script = slow_serve_script(bundles("llama-model"), port, workers=1, max_queue=4, graceful_seconds=1.5)
     proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
         deadline = time.time() + 60

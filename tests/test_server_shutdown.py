@@ -14,11 +14,9 @@ import os
 import signal
 import subprocess
 import sys
-import textwrap
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import httpx
 import pytest
@@ -27,33 +25,16 @@ from specdeploy.core.errors import BundleError
 from specdeploy.core.manifest import load_bundle
 from specdeploy.runtime.serving import server
 from specdeploy.runtime.serving.pool import SessionPool
-from loopback import Server, free_port, sse_events
+from loopback import Server, free_port, slow_serve_script
 from tiny import PROMPTS
 
 GRACE = 1.5
 LONG = {"max_tokens": 100, "temperature": 0, "draft_len": 0}  # 100 slowed passes: >= 5 s, past the grace
 
-SERVE = textwrap.dedent("""
-    import sys
-    sys.path.insert(0, {tests!r})
-    from loopback import slow_down
-    from specdeploy.runtime.serving import server
-
-    class SlowPool(server.SessionPool):
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, **kwargs)
-            slow_down(self, 0.05)
-
-    server.SessionPool = SlowPool
-    server.serve({bundle!r}, port={port}, workers=2, max_queue=4, graceful_seconds={grace}, **{options!r})
-""")
-
-
 def start_serve(bundle, **options):
     """`serve` in a subprocess (two slowed sessions, a queue of 4); (process, url) once /health answers."""
     port = free_port()
-    script = SERVE.format(tests=str(Path(__file__).parent), bundle=str(bundle), port=port, grace=GRACE,
-                          options=options)
+    script = slow_serve_script(bundle, port, workers=2, max_queue=4, graceful_seconds=GRACE, **options)
     proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
     url = f"http://127.0.0.1:{port}"
