@@ -39,10 +39,11 @@ class SessionPool:
     def __init__(
         self, bundle: str | Path, workers: int = 1, max_queue: int = 8, threads: int | None = None,
         backend: str = "ort", wait_seconds: float | None = None, device: str | None = None, trt_ep: bool = False,
+        digest: str | None = None,
     ):
-        """`device`, `trt_ep`: as for Session. Sessions capturing CUDA graphs load a session of
+        """`device`, `trt_ep`, `digest`: as for Session. Sessions capturing CUDA graphs load a session of
         ONNX Runtime each (see OrtEngine.fork): the weights are then loaded once per worker."""
-        first = Session(bundle, threads=threads, backend=backend, device=device, trt_ep=trt_ep)
+        first = Session(bundle, threads=threads, backend=backend, device=device, trt_ep=trt_ep, digest=digest)
         self.sessions = [first] + [first.fork() for _ in range(workers - 1)]
         self.bundle = first.bundle
         self.tokenizer = first.tokenizer

@@ -40,11 +40,12 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
-from starlette.requests import ClientDisconnect, Request
+from starlette.requests import ClientDisconnect
+from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from specdeploy.core.errors import BundleError, InputError, SpecdeployError
+from specdeploy.core.errors import InputError, SpecdeployError
 from specdeploy.core.manifest import load_bundle
 from specdeploy.runtime.decoding.request import (
     NUMBER, SETTINGS, Limits, Message, Request, RequestError, validate, wire_labels, wire_names,
@@ -153,7 +154,7 @@ def _parse(raw: bytes, chat: bool, limits: Limits) -> tuple[Request, bool]:
     return parse_request(_parse_json(raw), chat, limits)
 
 
-async def _read_body(request: Request, limit: int) -> bytes:
+async def _read_body(request: HttpRequest, limit: int) -> bytes:
     """The body, refused (`TooLarge`) as soon as it is known to pass `limit` bytes: from its
     Content-Length before reading, or as it arrives when it is chunked."""
     declared = request.headers.get("content-length")
@@ -298,7 +299,7 @@ def create_app(
             parse_limiter.append(anyio.CapacityLimiter(1))
         return parse_limiter[0]
 
-    async def completions(request: Request, chat: bool) -> Response:
+    async def completions(request: HttpRequest, chat: bool) -> Response:
         endpoint = "chat" if chat else "completions"
         outcome = _Outcome(metrics, endpoint)
         started = time.perf_counter()
@@ -336,28 +337,28 @@ def create_app(
             return _error(500, f"internal error ({type(e).__name__})", "server_error")
         return _Run(pool, metrics, outcome, req, stream, chat, model_name, started, acquire_limiter(), shutdown)
 
-    async def health(request: Request) -> Response:
+    async def health(request: HttpRequest) -> Response:
         stopping = shutdown.stopping or pool.closing.is_set()
         return JSONResponse({"status": "stopping" if stopping else "ok", "model": model_name,
                              "digest": pool.bundle.digest,  # the bundle served, as `specdeploy inspect` prints it
                              "sessions": len(pool.sessions), "in_flight": pool.in_flight, "waiting": pool.waiting,
                              "max_queue": pool.max_queue}, 503 if stopping else 200)
 
-    async def metrics_endpoint(request: Request) -> Response:
+    async def metrics_endpoint(request: HttpRequest) -> Response:
         metrics.queue.set(pool.waiting)
         metrics.in_flight.set(pool.in_flight)
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    async def models(request: Request) -> Response:
+    async def models(request: HttpRequest) -> Response:
         return JSONResponse({"object": "list", "data": [{"id": model_name, "object": "model", "owned_by": "specdeploy"}]})
 
-    async def completions_route(request: Request) -> Response:
+    async def completions_route(request: HttpRequest) -> Response:
         return await completions(request, chat=False)
 
-    async def chat_route(request: Request) -> Response:
+    async def chat_route(request: HttpRequest) -> Response:
         return await completions(request, chat=True)
 
-    async def unexpected(request: Request, exc: Exception) -> Response:
+    async def unexpected(request: HttpRequest, exc: Exception) -> Response:
         # the last net: anything that escaped the handlers is a JSON 500, counted
         endpoint = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}.get(request.url.path, "other")
         metrics.requests.labels(endpoint, "500").inc()
@@ -630,11 +631,9 @@ def serve(bundle: str, host: str = "127.0.0.1", port: int = 8000, workers: int =
     states the digest served."""
     if digest is not None:  # the manifest alone, at once: another bundle is refused before anything loads
         load_bundle(bundle, verify=False, digest=digest)
+    # and each session's load compares it again, so a manifest changed in between is refused too
     pool = SessionPool(bundle, workers=workers, max_queue=max_queue, threads=threads, wait_seconds=queue_timeout,
-                       device=device, trt_ep=trt_ep)
-    if digest is not None and pool.bundle.digest != digest:  # its manifest changed since: still not the pinned one
-        raise BundleError(f"{bundle}: bundle digest {pool.bundle.digest} is not the {digest[:80]} required; "
-                          "the bundle changed while it loaded")
+                       device=device, trt_ep=trt_ep, digest=digest)
     shutdown = Shutdown(pool)
     app = create_app(pool, model_name or pool.bundle.path.name, max_body_bytes=max_body_bytes,
                      max_prompt_chars=max_prompt_chars, shutdown=shutdown)
