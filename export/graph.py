@@ -76,6 +76,17 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+class _Concat(nn.Module):
+    """Projections of one input computed apart, their outputs side by side (q | k | v)."""
+
+    def __init__(self, parts):
+        super().__init__()
+        self.parts = nn.ModuleList(parts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([p(x) for p in self.parts], dim=-1)
+
+
 def _packed_qkv(attn: nn.Module, packed: bool) -> nn.Module:
     """One Linear computing q | k | v (their weights and biases stacked), or the module's own
     qkv_proj where it has one (`packed`: the source's, or export/quantize.py's).
@@ -83,6 +94,8 @@ def _packed_qkv(attn: nn.Module, packed: bool) -> nn.Module:
     if packed:
         return attn.qkv_proj
     parts = (attn.q_proj, attn.k_proj, attn.v_proj)
+    if not all(isinstance(p, nn.Linear) for p in parts):  # quantized in different forms: a node each
+        return _Concat(parts)
     weight = torch.cat([p.weight.detach() for p in parts])
     packed = nn.Linear(weight.shape[1], weight.shape[0], bias=parts[0].bias is not None,
                        dtype=weight.dtype, device=weight.device)

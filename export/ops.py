@@ -244,15 +244,16 @@ def group_query_attention_onnx(qkv, key_cache, value_cache, write_indices, atten
 
 @torch.library.custom_op("specdeploy::matmul_nbits", mutates_args=())
 def matmul_nbits(
-    x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zero_points: torch.Tensor | None, k: int, n: int, bits: int
+    x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zero_points: torch.Tensor | None, k: int, n: int, bits: int,
+    block: int = BLOCK,
 ) -> torch.Tensor:
     """x [..., K] @ dequantized(B)^T -> [..., N]: the eager meaning of MatMulNBits at
-    accuracy level 4, whose CPU kernel first quantizes each block of 32 activations of a
-    row to int8 (scale = max |x| / 127, round to nearest); done here the same way, so the
+    accuracy level 4, whose CPU kernel first quantizes each block (`block`: 16 or 32) of
+    activations of a row to int8 (scale = max |x| / 127, round to nearest); done here the same way, so the
     reference and ONNX Runtime differ only in summation order. No zero points: every
     block's is 2^(bits - 1) (symmetric), as MatMulNBits assumes when the input is absent."""
-    nb = k // BLOCK
-    xb = x.reshape(*x.shape[:-1], nb, BLOCK)
+    nb = k // block
+    xb = x.reshape(*x.shape[:-1], nb, block)
     scale = xb.abs().amax(-1, keepdim=True) / 127
     inverse = torch.where(scale > 0, 1 / scale, torch.zeros_like(scale))
     x = (torch.round(xb * inverse) * scale).reshape(x.shape)
@@ -260,21 +261,21 @@ def matmul_nbits(
         zero_points = torch.full((n * ((nb + 1) // 2 if bits == 4 else nb),), 0x88 if bits == 4 else 128,
                                  dtype=torch.uint8, device=packed.device)
     if bits == 4:
-        q = torch.stack([packed & 0x0F, packed >> 4], dim=-1).reshape(n, nb, BLOCK)
+        q = torch.stack([packed & 0x0F, packed >> 4], dim=-1).reshape(n, nb, block)
         zp = torch.stack([zero_points & 0x0F, zero_points >> 4], dim=-1).reshape(n, -1)[:, :nb]
     else:
-        q = packed.reshape(n, nb, BLOCK)
+        q = packed.reshape(n, nb, block)
         zp = zero_points.reshape(n, nb)
     w = (q.float() - zp.float()[..., None]) * scales.reshape(n, nb, 1)
     return torch.matmul(x, w.reshape(n, k).to(x.dtype).t())
 
 
 @matmul_nbits.register_fake
-def _(x, packed, scales, zero_points, k, n, bits):
+def _(x, packed, scales, zero_points, k, n, bits, block=BLOCK):
     return x.new_empty((*x.shape[:-1], n))
 
 
-def matmul_nbits_onnx(x, packed, scales, zero_points, k, n, bits):
+def matmul_nbits_onnx(x, packed, scales, zero_points, k, n, bits, block=BLOCK):
     register_schema(
         "MatMulNBits",
         [("A", "T1"), ("B", "T2"), ("scales", "T1"), ("zero_points", "T3")],
@@ -283,7 +284,7 @@ def matmul_nbits_onnx(x, packed, scales, zero_points, k, n, bits):
         optional=("accuracy_level", "zero_points"),
     )
     return contrib("MatMulNBits")(
-        x, packed, scales, zero_points, K=k, N=n, bits=bits, block_size=BLOCK, accuracy_level=ACCURACY_LEVEL
+        x, packed, scales, zero_points, K=k, N=n, bits=bits, block_size=block, accuracy_level=ACCURACY_LEVEL
     )
 
 

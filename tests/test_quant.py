@@ -12,7 +12,7 @@ from tiny import PROMPTS
 from specdeploy.export.ops import rope_caches, rotary
 from specdeploy.export.graph import _rotate_half
 from specdeploy.export.quantize import (
-    ACCURACY_LEVEL, BLOCK, GGUF_BLOCKS, Blocks, gather_block_quantized, gguf_blocks, matmul_nbits, pack, quantize_float,
+    ACCURACY_LEVEL, BLOCK, GGUF_TYPES, Blocks, gather_block_quantized, gguf_blocks, matmul_nbits, pack, quantize_float,
 )
 from specdeploy.runtime import Session
 
@@ -38,23 +38,36 @@ def _single_node_session(op: str, inputs: dict, initializers: dict, order: list[
     return ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
 
 
-@pytest.mark.parametrize("bits", [4, 8])
+def _random_gguf_blocks(kind: str, n: int, k: int, seed: int = 0) -> Blocks:
+    rng = np.random.default_rng(seed)
+    size, per, _, _ = GGUF_TYPES[kind]
+    raw = rng.integers(0, 256, size=(n, k // per, size), dtype=np.uint8)
+    for at in FLOAT16_AT[kind]:
+        raw[..., at:at + 2] = rng.uniform(-0.1, 0.1, size=(n, k // per, 1)).astype(np.float16).view(np.uint8)
+    return gguf_blocks(kind, raw.reshape(n, -1), n, k)
+
+
+@pytest.mark.parametrize("form", ["float4", "float8", *sorted(GGUF_TYPES)])
 @pytest.mark.parametrize("rows", [1, 5])
-def test_matmul_nbits_node_equals_its_eager_meaning(bits, rows):
+def test_matmul_nbits_node_equals_its_eager_meaning(form, rows):
     """ONNX Runtime's MatMulNBits (accuracy level 4) on our packing == the eager op, which
-    dequantizes the blocks and rounds activations to int8 blocks the same way."""
-    rng = np.random.default_rng(bits * 10 + rows)
-    n, k = 96, 128
-    blocks = quantize_float(rng.standard_normal((n, k)).astype(np.float32), bits)
+    dequantizes the blocks and rounds activations to int8 blocks the same way: blocks quantized
+    here, and every GGUF type's own (4- and 8-bit storage, blocks of 16 and 32, zero points)."""
+    rng = np.random.default_rng(rows)
+    n, k = 96, 256
+    if form.startswith("float"):
+        blocks = quantize_float(rng.standard_normal((n, k)).astype(np.float32), int(form[5:]))
+    else:
+        blocks = _random_gguf_blocks(form, n, k, seed=rows)
     blocks.mins = None  # the block minimum is a separate term in the graph, tested end to end
     packed, scales, zp = pack(blocks)
     x = (rng.standard_normal((1, rows, k)) * 3).astype(np.float32)
     sess = _single_node_session(
-        "MatMulNBits", {"x": x}, {"B": packed, "s": scales, "z": zp}, K=k, N=n, bits=bits, block_size=BLOCK,
-        accuracy_level=ACCURACY_LEVEL,
+        "MatMulNBits", {"x": x}, {"B": packed, "s": scales, "z": zp}, K=k, N=n, bits=blocks.bits,
+        block_size=blocks.block, accuracy_level=ACCURACY_LEVEL,
     )
     got = sess.run(None, {"x": x})[0]
-    want = matmul_nbits(*map(torch.from_numpy, (x, packed, scales, zp)), k, n, bits).numpy()
+    want = matmul_nbits(*map(torch.from_numpy, (x, packed, scales, zp)), k, n, blocks.bits, blocks.block).numpy()
     scale = np.abs(want).max()
     assert np.abs(got - want).max() <= 1e-5 * scale
     # and the eager op is the dequantized weight (up to the activation rounding it models)
@@ -101,20 +114,45 @@ def test_rotary_node_equals_the_standard_op_rope():
     assert np.abs(eager - standard).max() < 1e-5
 
 
-@pytest.mark.parametrize("kind", sorted(GGUF_BLOCKS))
+# Where each block type keeps its float16 fields (d, and m or dmin), by byte offset.
+FLOAT16_AT = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,), "Q2_K": (80, 82),
+              "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
+
+
+def test_every_gguf_type_has_its_float16_fields_listed():
+    assert sorted(FLOAT16_AT) == sorted(GGUF_TYPES)
+
+
+@pytest.mark.parametrize("kind", sorted(GGUF_TYPES))
 def test_gguf_blocks_decode_as_gguf_py_dequantizes(kind):
-    """Our reading of ggml's block layout, against gguf-py's reference dequantizer."""
+    """Our reading of ggml's block layout, against gguf-py's reference dequantizer, bit for bit:
+    random bytes (every field's every bit pattern) under finite float16 scales."""
     import gguf
 
-    rng = np.random.default_rng(len(kind))
-    n, k = 6, 64
-    size, _ = GGUF_BLOCKS[kind]
-    raw = rng.integers(0, 256, size=(n, k // BLOCK, size), dtype=np.uint8)
-    halves = rng.uniform(-0.1, 0.1, size=(n, k // BLOCK, 2)).astype(np.float16)  # finite d (and m)
-    raw[..., 0:4 if kind == "Q4_1" else 2] = halves[..., : 2 if kind == "Q4_1" else 1].view(np.uint8).reshape(n, k // BLOCK, -1)
+    rng = np.random.default_rng(len(kind) + ord(kind[1]))
+    size, per, bits, block = GGUF_TYPES[kind]
+    n, k = 6, 2 * per
+    raw = rng.integers(0, 256, size=(n, k // per, size), dtype=np.uint8)
+    for at in FLOAT16_AT[kind]:
+        raw[..., at:at + 2] = rng.uniform(-0.1, 0.1, size=(n, k // per, 1)).astype(np.float16).view(np.uint8)
     raw = raw.reshape(n, -1)
     want = gguf.quants.dequantize(raw, getattr(gguf.GGMLQuantizationType, kind)).reshape(n, k)
-    assert np.array_equal(gguf_blocks(kind, raw, n, k).dequantize(), want)
+    blocks = gguf_blocks(kind, raw, n, k)
+    assert (blocks.bits, blocks.block) == (bits, block) and blocks.q.max() < 1 << bits
+    assert np.array_equal(blocks.dequantize(), want)
+
+
+def test_a_wrong_gguf_decoder_fails_the_comparison():
+    """Companion: the comparison above catches a decoder that misreads one field (Q6_K's zero)."""
+    import gguf
+
+    rng = np.random.default_rng(0)
+    raw = rng.integers(0, 256, size=(2, 1, 210), dtype=np.uint8)
+    raw[..., 208:210] = rng.uniform(0.01, 0.1, size=(2, 1, 1)).astype(np.float16).view(np.uint8)
+    raw = raw.reshape(2, -1)
+    blocks = gguf_blocks("Q6_K", raw, 2, 256)
+    blocks.zero[:] = 31
+    assert not np.array_equal(blocks.dequantize(), gguf.quants.dequantize(raw, gguf.GGMLQuantizationType.Q6_K))
 
 
 @pytest.mark.parametrize("bits", [4, 8])
