@@ -65,7 +65,11 @@ class Architecture:
     attn_softcap_field: str | None = None  # scores -> cap * tanh(scores / cap) before the mask
     final_softcap_field: str | None = None  # logits -> cap * tanh(logits / cap)
     fp16: bool = True  # False: its activations overflow float16 (the reference computes in bf16/fp32)
-    contrib_ops: bool = True  # the int8/int4 and fused graphs (ONNX Runtime contrib ops) are implemented
+    # RoPE, the residual norms and (fused) attention spelled as ONNX Runtime's fused contrib ops
+    # (RotaryEmbedding, SkipSimplifiedLayerNormalization, GroupQueryAttention) are implemented.
+    # Without them a quantized (int8/int4) graph keeps the standard RoPE and norms around its
+    # MatMulNBits projections, and --attention fused is refused.
+    contrib_ops: bool = True
     refusals: tuple[Refusal, ...] = field(default_factory=tuple)
 
     def rope_parameters(self, cfg) -> dict[str, dict]:
@@ -172,10 +176,9 @@ def check_export(cfg, dtype: str, attention: str, what: str) -> None:
     if dtype == "fp16" and not arch.fp16:
         raise ExportError(f"{what}: --dtype fp16: {arch.family}'s activations overflow float16 (its reference "
                           "runs in bfloat16 or float32); use fp32")
-    if not arch.contrib_ops and (dtype in ("int8", "int4") or attention == "fused"):
-        choice = f"--dtype {dtype}" if dtype in ("int8", "int4") else "--attention fused"
-        raise ExportError(f"{what}: {choice}: the ONNX Runtime contrib-op graphs are not implemented for "
-                          f"{arch.family}; use --dtype fp32 or fp16 with --attention exact")
+    if not arch.contrib_ops and attention == "fused":
+        raise ExportError(f"{what}: --attention fused: ONNX Runtime's fused attention graph is not implemented for "
+                          f"{arch.family}; use --attention exact")
 
 
 __all__ = ["ARCHITECTURES", "Architecture", "LayerNorms", "ROPE_TYPES", "WINDOWS", "architecture", "check_config",

@@ -206,17 +206,19 @@ def _export_model(
     graph_file = f"{role}.onnx"
     t0 = time.perf_counter()
     fused = attention == "fused"
-    if graph.quantization is not None or fused:  # ONNX Runtime's graphs: its contrib ops
+    quantized = graph.quantization is not None
+    if (quantized and graph.arch.contrib_ops) or fused:  # ONNX Runtime's graphs: its fused contrib ops
         graph.use_contrib_ops(max_seq, fused=fused)
     spec = model_entry(graph, source, role, graph_file, dtype, max_seq).replace(attention=attention)
-    export_onnx(graph, work / graph_file, max_seq, TORCH_DTYPE[dtype], optimize=not graph.contrib_ops,
+    export_onnx(graph, work / graph_file, max_seq, TORCH_DTYPE[dtype], optimize=not (graph.contrib_ops or quantized),
                 facts=graph_facts(spec))
     log(f"  {role}: exported {graph.num_layers} layers ({dtype}, {attention} attention) in "
         f"{time.perf_counter() - t0:.1f}s; checking parity")
+    for line in quantization_lines(graph.quantization):
+        log(f"  {role}: {line}")
     # A quantized graph is compared with its own eager module (dequantized weights, int8
     # activation blocks as MatMulNBits computes them), not with the float source: it is
     # another model. GGUF blocks imported exactly were checked tensor by tensor on import.
-    quantized = graph.quantization is not None
     parity = check_parity(
         graph, work / graph_file, spec, max_seq, max_draft, prefill_chunk, dtype,
         hf_model=source.model if full_model and not quantized else None,
@@ -224,6 +226,20 @@ def _export_model(
     )
     log(f"  {role}: parity ok (max relative logit difference {parity['max_rel_diff_ort_vs_eager']:.1e})")
     return spec.replace(parity=parity)
+
+
+def quantization_lines(record: dict | None) -> list[str]:
+    """What a quantized export says on the terminal: where its blocks came from, and each GGUF
+    tensor that could not be imported as it is (quantized here from the file's floats), and why."""
+    if not record or record.get("source") is None:
+        return []
+    tensors = ", ".join(f"{n} {k}" for k, n in record["tensors"].items())
+    lines = [f"weights from {Path(record['source']).name}: {tensors} "
+             f"({record['imported_exactly']} imported exactly, {record['quantized_from_float']} quantized here)"]
+    for entry in record.get("not_exact", []):
+        lines.append(f"not imported exactly: {entry['tensor']} ({entry['why']}), quantized here from its floats as "
+                     f"{entry['as'].split('->')[1]}")
+    return lines
 
 
 def source_graph(source: Source, dtype: str, num_layers: int | None = None, quant_scheme: str = "exact") -> SpecGraph:
@@ -354,6 +370,9 @@ def build_bundle(
                     raise ExportError(f"--{'draft-' if role == 'draft' else ''}attention fused: {source.path} attends "
                                       f"through a sliding window of {window}, which the fused graph does not take; use exact")
                 model_attention = "exact"
+            told = (draft_attention if role == "draft" else attention) == "fused"
+            if model_attention == "fused" and not told and not architecture(source.config).contrib_ops:
+                model_attention = "exact"  # a draft's default, where the family has no fused graph
             check_export(source.config, model_dtype, model_attention, str(source.path))
             check_layer_windows(source.config, max_seq, max_draft, str(source.path))
             graph = source_graph(source, model_dtype, num_layers, scheme)

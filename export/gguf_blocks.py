@@ -14,11 +14,14 @@ Q2_K ... Q6_K and mixed _S/_M files use) has an exact MatMulNBits form:
     Q4_K   (d sc) q - (dmin m)                   4-bit, 32, 0, -(dmin m)
     Q5_K   (d sc) q - (dmin m)                   8-bit, 32, 0, -(dmin m)
     Q6_K   (d sc) (q - 32)                       8-bit, 16, 32
+    IQ4_NL d L[q], L sixteen int8 levels         8-bit, 32, 128 (q stored as L[q] + 128)
+    IQ4_XS (d (sc - 32)) L[q]                    8-bit, 32, 128 (likewise)
 
 d and dmin are float16 and a K-quant's sub-block scale sc and minimum m are integers of at
 most 8 bits, so d sc and dmin m are exact in float32: one float32 scale (and minimum) per
 block of 16 or 32 holds the super-block's two levels with nothing rounded. 5- and 6-bit
-values sit in 8-bit storage with their offset as the zero point. `Blocks.dequantize`
+values sit in 8-bit storage with their offset as the zero point, and IQ4's non-uniform levels,
+being int8 values, sit there too. `Blocks.dequantize`
 computes (q - zero) * scale + min, the same products and the same one rounding as gguf-py's
 dequantizer, and the tests hold the two equal bit for bit.
 """
@@ -43,7 +46,11 @@ GGUF_TYPES = {
     "Q4_K": (144, QK_K, 4, 32),
     "Q5_K": (176, QK_K, 8, 32),
     "Q6_K": (210, QK_K, 8, 16),
+    "IQ4_NL": (18, 32, 8, 32),
+    "IQ4_XS": (136, QK_K, 8, 32),
 }
+# IQ4's sixteen levels: a 4-bit index picks one of these int8 values.
+IQ4_LEVELS = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=np.int16)
 FLOAT_TYPES = ("F32", "F16", "BF16")  # held as floats: quantized here, or kept float
 
 
@@ -103,7 +110,20 @@ def _decode(kind: str, b: np.ndarray) -> tuple[np.ndarray, np.ndarray, int, np.n
     if kind == "Q6_K":  # ql[128], qh[64], scales[16] int8, d
         q = _bits(b[..., 0:128], (0, 4), 0x0F, 64) | (_bits(b[..., 128:192], (0, 2, 4, 6), 0x03, 32) << 4)
         return q, _f16(b, 208) * b[..., 192:208].copy().view(np.int8).astype(np.float32), 32, None
+    if kind == "IQ4_NL":  # d, qs[16]
+        return _levels(_bits(b[..., 2:], (0, 4), 0x0F, 16)), _f16(b, 0), 128, None
+    if kind == "IQ4_XS":  # d, scales_h (uint16: two high bits a block), scales_l[4] (a nibble a block), qs[128]
+        low = b[..., 4:8]
+        low = np.stack([low & 0x0F, low >> 4], axis=-1).reshape(*b.shape[:-1], 8)
+        high = (b[..., 2:4].copy().view("<u2") >> np.arange(0, 16, 2, dtype=np.uint16)) & 0x03
+        sc = (low | (high.astype(np.uint8) << 4)).astype(np.float32) - 32
+        return _levels(_bits(b[..., 8:], (0, 4), 0x0F, 16)), _f16(b, 0) * sc, 128, None
     raise ValueError(kind)
+
+
+def _levels(index: np.ndarray) -> np.ndarray:
+    """IQ4 indices -> their int8 levels + 128, in 0..255."""
+    return (IQ4_LEVELS[index] + 128).astype(np.uint8)
 
 
 def gguf_blocks(kind: str, raw: np.ndarray, n: int, k: int) -> Blocks:

@@ -34,6 +34,7 @@ from torch import nn
 from transformers.activations import ACT2FN
 
 from .architectures import Architecture, check_config
+from .quantize import QuantEmbedding
 from .ops import attention_reference, fused_attention_eager, group_query_attention, kv_write, rope_caches, rotary, skip_rms_norm
 
 
@@ -284,6 +285,8 @@ class SpecGraph(nn.Module):
         b, t = input_ids.shape
         if self.embed_scale is None:
             h = self.embed_tokens(input_ids)
+        elif isinstance(self.embed_tokens, QuantEmbedding):  # the fast scheme's 4-bit table: float32 rows
+            h = self.embed_tokens(input_ids) * torch.tensor(self.embed_scale, dtype=torch.float32)
         else:  # the lookup, then the scale rounded to the weights' dtype, as the source's embedding does
             weight = self.embed_tokens.weight
             h = nn.functional.embedding(input_ids, weight) * torch.tensor(self.embed_scale, dtype=weight.dtype)

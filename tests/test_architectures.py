@@ -99,6 +99,39 @@ def test_plain_and_speculative_equal_hf_generate(name, draft, family_models, fam
         assert check_bundle(bundle) == []  # TensorRT's parser takes every node of both graphs
 
 
+@pytest.mark.parametrize("name", list(FAMILIES))
+@pytest.mark.parametrize("scheme", ["exact", "fast"])
+def test_quantized_families_are_lossless_and_near_their_source(name, scheme, family_models, tmp_path):
+    """int4 (MatMulNBits around the family's own RoPE and norms): speculative == plain token for
+    token with an int4 self-draft at draft lengths 1, 3 and 8, and the logits within int4's
+    bound of the float source (relative RMS; test_quant.py's bound and its companions)."""
+    import numpy as np
+
+    from specdeploy.runtime.backends import make_engine
+
+    out = tmp_path / "b"
+    build_bundle(family_models[name], "self:layers=1", out, max_seq=MAX_SEQ, max_draft=8, prefill_chunk=16,
+                 dtype="int4", quant_scheme=scheme)
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["models"]["target"]["quantization"]["quant_scheme"] == scheme
+    session = Session(out)
+    for prompt in TEST_PROMPTS:
+        ids = session.encode(prompt)
+        plain = session.generate(prompt_ids=ids, max_new_tokens=NEW_TOKENS, speculate=False)
+        for k in DRAFT_LENS:
+            spec = session.generate(prompt_ids=ids, max_new_tokens=NEW_TOKENS, draft_len=k)
+            assert spec.token_ids == plain.token_ids, (prompt, k)
+    ids = np.array(session.encode(" ".join(PROMPTS[:6])))[:60]
+    spec = session.bundle.model("target")
+    engine = make_engine("ort", session.bundle, spec, None)
+    chunk = session.bundle.prefill_chunk
+    got = np.concatenate([engine.forward(ids[a : a + chunk], a).copy() for a in range(0, len(ids), chunk)])
+    hf = AutoModelForCausalLM.from_pretrained(family_models[name], dtype=torch.float32).eval()
+    with torch.no_grad():
+        want = hf(torch.from_numpy(ids)[None]).logits[0].numpy()
+    assert np.linalg.norm(got - want) / np.linalg.norm(want) <= 0.35
+
+
 @pytest.mark.parametrize("rope", [
     {"rope_type": "linear", "factor": 2.0},
     {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -124,9 +157,10 @@ def test_fixed_rope_types_match_the_source(rope, tmp_path):
     assert (got - want).abs().max() <= 1e-4 * want.abs().max()
 
 
-def _refused(folder, *, dtype="fp32", draft="self:layers=1", max_draft=8) -> str:
+def _refused(folder, *, dtype="fp32", draft="self:layers=1", max_draft=8, attention="exact") -> str:
     with pytest.raises(ExportError) as e:
-        build_bundle(folder, draft, folder.parent / "out", max_seq=MAX_SEQ, max_draft=max_draft, dtype=dtype)
+        build_bundle(folder, draft, folder.parent / "out", max_seq=MAX_SEQ, max_draft=max_draft, dtype=dtype,
+                     attention=attention)
     message = str(e.value)
     assert "\n" not in message
     return message
@@ -146,10 +180,10 @@ def test_what_the_graph_does_not_reproduce_is_refused_naming_the_field(arch, ove
     assert field in _refused(tmp_path / "m")
 
 
-def test_gemma_fp16_quantized_and_short_windows_are_refused(tmp_path):
+def test_gemma_fp16_fused_attention_and_short_windows_are_refused(tmp_path):
     tiny.make_model(tmp_path / "g", "gemma2", layers=2)
     assert "--dtype fp16" in _refused(tmp_path / "g", dtype="fp16")
-    assert "--dtype int8" in _refused(tmp_path / "g", dtype="int8")
+    assert "--attention fused" in _refused(tmp_path / "g", draft="none", attention="fused")
     assert "sliding_window 24" in _refused(tmp_path / "g", max_draft=24)
 
 

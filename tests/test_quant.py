@@ -116,7 +116,7 @@ def test_rotary_node_equals_the_standard_op_rope():
 
 # Where each block type keeps its float16 fields (d, and m or dmin), by byte offset.
 FLOAT16_AT = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,), "Q2_K": (80, 82),
-              "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
+              "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "IQ4_NL": (0,), "IQ4_XS": (0,)}
 
 
 def test_every_gguf_type_has_its_float16_fields_listed():
