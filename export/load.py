@@ -86,11 +86,14 @@ def load_source(path: "str | Path | Source") -> Source:
         config = AutoConfig.from_pretrained(where, local_files_only=True, **kwargs)
     except (OSError, ValueError) as e:
         raise ExportError(f"{path}: cannot read the model config ({str(e).splitlines()[0]})") from None
+    if "gguf_file" in kwargs:
+        _gguf_head_dim(path, config)
     try:
         check_config(config)  # an architecture, or a config value, the graph would not reproduce
     except ExportError as e:
         raise ExportError(f"{path}: {e}") from None
-    model = AutoModelForCausalLM.from_pretrained(where, dtype=torch.float32, local_files_only=True, **kwargs).eval()
+    model = AutoModelForCausalLM.from_pretrained(where, config=config, dtype=torch.float32, local_files_only=True,
+                                                 **kwargs).eval()
     try:
         tokenizer = AutoTokenizer.from_pretrained(where, local_files_only=True, **kwargs)
     except (OSError, ValueError) as e:
@@ -98,6 +101,19 @@ def load_source(path: "str | Path | Source") -> Source:
     if not hasattr(tokenizer, "backend_tokenizer"):
         raise ExportError(f"{path}: its tokenizer has no fast (tokenizer.json) form, which the runtime needs")
     return Source(path, model, tokenizer, _distill_record(path, config.vocab_size))
+
+
+def _gguf_head_dim(path: Path, config) -> None:
+    """The head width a GGUF states (`<arch>.attention.key_length`), where transformers' reading of
+    the file leaves the config's default instead (its Qwen3 mapping has no head_dim: a file whose
+    heads are not 128 wide would not load)."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(path))
+    arch = reader.get_field("general.architecture")
+    field = arch and reader.get_field(f"{arch.contents()}.attention.key_length")
+    if field is not None and hasattr(config, "head_dim") and config.head_dim != int(field.contents()):
+        config.head_dim = int(field.contents())
 
 
 def _distill_record(path: Path, vocab_size: int) -> dict | None:

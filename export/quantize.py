@@ -1,6 +1,6 @@
 """Weight-only block quantization of a graph's linear layers, as ONNX Runtime `MatMulNBits`.
 
-Two schemes, both in blocks of 32 weights along the input dimension (one block: one
+Two schemes for weights quantized here, both in blocks of 32 along the input dimension (one block: one
 scale, and a zero point or a minimum):
 
     int4   4-bit, asymmetric: w = d * q + m, q in 0..15 (GGUF's Q4_1; Q4_0 is d * (q - 8))
@@ -12,17 +12,20 @@ token embedding stays float. The fast scheme puts both in 4 bits, the embedding 
 tied head's own blocks (a lookup reads one row per token: mostly a smaller file). The KV
 cache stays float.
 
-Where the source is a GGUF file whose tensors already hold the scheme's blocks, they are
-imported exactly: each block's scale, minimum and 4-/8-bit values are repacked, never
-re-quantized, and the import is checked by dequantizing it and comparing with the float
-weights transformers read from the same file (they must be equal). Any other source is
-quantized from its float weights (round to nearest per block).
+Where the source is a GGUF file, its block-quantized tensors are imported exactly, whatever
+their type (export/gguf_blocks.py: Q4_0 ... Q8_0, the K-quants Q2_K ... Q6_K, IQ4_NL, IQ4_XS):
+each block's scale, minimum and values are repacked, never re-quantized, in blocks of 16 or
+32 and 4- or 8-bit storage, and the import is checked by dequantizing it and comparing with
+the float weights transformers read from the same file (they must be equal). Only the
+file's float tensors (and any other source) are quantized here, from their float weights
+(round to nearest per block of 32), and export names each such GGUF tensor on the terminal.
 
 In the graph a quantized linear is one `com.microsoft::MatMulNBits` node (B packed, one
-scale per block, uint8 zero points) with `accuracy_level` 4: activations are quantized
+scale per block, uint8 zero points, the block's own size) with `accuracy_level` 4: activations are quantized
 to int8 per block of each row, so rows never share a scale and a verify pass's rows equal
 single steps bit for bit (tests/test_quant.py checks it). Q4_1's minimum is one extra
-term: x @ M^T over blocks is (per-block sums of x) @ mins, an fp32 MatMul 1/32 the size.
+term: x @ M^T over blocks is (per-block sums of x) @ mins, an fp32 MatMul 1/32 the size
+(1/16 for a K-quant's blocks of 16).
 In PyTorch eager (the parity reference and the torch backend) the same op dequantizes the
 blocks and multiplies in float32.
 """
@@ -44,7 +47,7 @@ from .ops import ACCURACY_LEVEL, BLOCK, gather_block_quantized, matmul_nbits
 SCHEMES = {"int4": 4, "int8": 8}
 HEAD_BITS = 8
 # --quant-scheme: where the blocks come from and their form.
-#   exact  the source's own blocks where it has them (a GGUF's Q4_0/Q4_1/Q8_0, imported
+#   exact  the source's own blocks where it has them (a GGUF's, of any type, imported
 #          unchanged), else round to nearest with a float minimum (Q4_1's form); head int8
 #   fast   round to nearest from the float weights with the form ONNX Runtime's kernels run
 #          fastest (symmetric: no minimum term, no zero points), the head in the same bits,

@@ -44,6 +44,9 @@ def describe(bundle: Bundle) -> str:
                 f"({q['imported_exactly']} imported exactly, {q['quantized_from_float']} quantized from float); "
                 "the parameter count above is the float ones"
             )
+            for entry in q.get("not_exact", []):
+                lines.append(f"            not imported exactly: {entry['tensor']} ({entry['why']}), "
+                             f"quantized here as {entry['as'].split('->')[1]}")
         p = e.parity
         if p:
             src = p.get("max_rel_diff_eager_vs_source")
