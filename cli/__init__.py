@@ -12,7 +12,7 @@ from pathlib import Path
 import click
 
 from specdeploy.core.errors import InputError, SpecdeployError
-from specdeploy.core.choices import BACKENDS, DTYPES, QUANT_SCHEMES
+from specdeploy.core.choices import BACKENDS, DEVICES, DTYPES, QUANT_SCHEMES
 from specdeploy.core.manifest import ATTENTIONS
 
 DEFAULT_PROMPT = "Explain in three short sentences why the sky is blue."
@@ -99,8 +99,12 @@ def _share_threads(threads: int | None) -> None:
 @click.option("--out", required=True, type=click.Path(path_type=Path), help="Bundle folder to write.")
 @click.option("--max-seq", default=1024, show_default=True, help="KV buffer length: prompt + new tokens must fit.")
 @click.option("--max-draft", default=8, show_default=True, help="Largest draft length a verify pass may carry.")
-@click.option("--dtype", type=click.Choice(DTYPES), default="int4", show_default=True,
-              help="Target weights: fp32; fp16 (GPUs; KV cache fp16 too); int8/int4 (weight-only blocks, CPUs).")
+@click.option("--for", "device", type=click.Choice(DEVICES), default="cpu", show_default=True,
+              help="Where the bundle will run: cpu (ONNX Runtime), cuda (ONNX Runtime CUDA or torch), tensorrt "
+                   "(standard ONNX only, checked by check-trt); sets --dtype's default.")
+@click.option("--dtype", type=click.Choice(DTYPES), default=None,
+              help="Target weights: fp32; fp16 (GPUs; KV cache fp16 too); int8/int4 (weight-only blocks).  "
+                   "[default: int4 --for cpu, fp16 --for cuda/tensorrt (fp32 for Gemma)]")
 @click.option("--draft-dtype", type=click.Choice(DTYPES), default=None, help="Draft model weights.  [default: --dtype]")
 @click.option("--prefill-chunk", type=POSITIVE, default=None, help="Prompt tokens per prefill pass.  [default: 64, at most --max-seq]")
 @click.option("--attention", type=click.Choice(ATTENTIONS), default="exact", show_default=True,
@@ -113,8 +117,8 @@ def _share_threads(threads: int | None) -> None:
               help="Draft graph.  [default: fused for an int8/int4 draft, else --attention]")
 @click.option("--draft-quant-scheme", type=click.Choice(QUANT_SCHEMES), default=None,
               help="int8/int4 draft.  [default: exact]")
-def export_cmd(target, draft, out, max_seq, max_draft, dtype, draft_dtype, prefill_chunk, attention, quant_scheme,
-               draft_attention, draft_quant_scheme):
+def export_cmd(target, draft, out, max_seq, max_draft, device, dtype, draft_dtype, prefill_chunk, attention,
+               quant_scheme, draft_attention, draft_quant_scheme):
     """Export TARGET (and its draft) into an ONNX bundle with in-place KV buffers."""
     from specdeploy.export import build_bundle, embedded_default
 
@@ -123,7 +127,7 @@ def export_cmd(target, draft, out, max_seq, max_draft, dtype, draft_dtype, prefi
     build_bundle(
         target, draft, out, max_seq, max_draft, dtype, prefill_chunk, log=lambda m: click.echo(m, err=True),
         draft_dtype=draft_dtype, attention=attention, quant_scheme=quant_scheme, draft_attention=draft_attention,
-        draft_quant_scheme=draft_quant_scheme,
+        draft_quant_scheme=draft_quant_scheme, device=device,
     )
 
 

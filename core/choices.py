@@ -7,3 +7,9 @@ KV_DTYPE = {"fp32": "float32", "fp16": "float16", "int8": "float32", "int4": "fl
 QUANT_SCHEMES = ("exact", "fast")  # how int8/int4 weights are made (export/quantize.py's plans)
 BACKENDS = ("ort", "torch", "trt")  # the runtime's engines (runtime/backends' registry has one entry each)
 GPU_BACKENDS = ("torch", "trt")  # run on a GPU only where they are given one (ort picks its provider)
+# Where a bundle will run (export --for): the defaults and the graph forms export picks for it.
+#   cpu       ONNX Runtime's CPU provider: int4 weights (MatMulNBits, its fused ops where they pay)
+#   cuda      ONNX Runtime's CUDA provider or the torch backend: fp16
+#   tensorrt  TensorRT: fp16; standard ONNX ops only (int8/int4 as DequantizeLinear + MatMul), checked by check-trt
+DEVICES = ("cpu", "cuda", "tensorrt")
+DEVICE_DTYPE = {"cpu": "int4", "cuda": "fp16", "tensorrt": "fp16"}  # --dtype's default per --for

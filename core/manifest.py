@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .choices import DEVICES
 from .errors import BundleError
 
 FORMAT = "specdeploy-bundle"
@@ -289,6 +290,7 @@ class Manifest:
     created_by: str = ""
     created_at: str = ""
     export_seconds: float | None = None
+    device: str | None = None  # what export made it for (core DEVICES; bundles before it: None)
     format_version: int = FORMAT_VERSION  # what the file says (a version 1 bundle stays one when rewritten)
 
     @classmethod
@@ -328,6 +330,7 @@ class Manifest:
             created_by=_take(d, "created_by", str, where, optional=True) or "",
             created_at=_take(d, "created_at", str, where, optional=True) or "",
             export_seconds=seconds,
+            device=_device(d, where),
             format_version=version,
         )
         manifest.check_consistent(where)
@@ -377,6 +380,8 @@ class Manifest:
         }
         if self.export_seconds is not None:
             d["export_seconds"] = self.export_seconds
+        if self.device is not None:
+            d["device"] = self.device
         d["files"] = dict(sorted(self.files.items()))
         if self.sizes:
             d["sizes"] = dict(sorted(self.sizes.items()))
@@ -384,6 +389,13 @@ class Manifest:
 
     def replace(self, **changes) -> "Manifest":
         return dataclasses.replace(self, **changes)
+
+
+def _device(d: dict, where: str) -> str | None:
+    device = _take(d, "device", str, where, optional=True)
+    if device is not None and device not in DEVICES:
+        raise BundleError(f"{where}: field 'device' is {device!r}, not one of {', '.join(DEVICES)}")
+    return device
 
 
 def checksums(folder: Path, names) -> dict[str, str]:

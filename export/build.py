@@ -24,7 +24,7 @@ import torch
 
 from specdeploy.core.errors import BundleError, ExportError
 from specdeploy.core.graph_io import LOGITS_ROWS, graph_facts, io_names, kv_names
-from specdeploy.core.choices import DTYPES, KV_DTYPE, QUANT_SCHEMES
+from specdeploy.core.choices import DEVICE_DTYPE, DEVICES, DTYPES, KV_DTYPE, QUANT_SCHEMES
 from specdeploy.core.manifest import ATTENTIONS, FORMAT, MANIFEST, Manifest, ModelSpec, TokenizerEntry, checksums, file_sizes, write_manifest
 
 from .architectures import architecture, check_export
@@ -201,17 +201,21 @@ def model_entry(graph: SpecGraph, source: Source, role: str, graph_file: str, dt
 
 def _export_model(
     graph: SpecGraph, source: Source, *, work: Path, role: str, dtype: str, attention: str, max_seq: int,
-    max_draft: int, prefill_chunk: int, full_model: bool, log: Callable[[str], None],
+    max_draft: int, prefill_chunk: int, full_model: bool, log: Callable[[str], None], device: str = "cpu",
 ) -> ModelSpec:
     graph_file = f"{role}.onnx"
     t0 = time.perf_counter()
     fused = attention == "fused"
     quantized = graph.quantization is not None
-    if (quantized and graph.arch.contrib_ops) or fused:  # ONNX Runtime's graphs: its fused contrib ops
+    standard = device == "tensorrt"  # standard ONNX ops only (TensorRT's parser reads no contrib op)
+    if (quantized and graph.arch.contrib_ops and not standard) or fused:  # ONNX Runtime's fused contrib ops
         graph.use_contrib_ops(max_seq, fused=fused)
+    if quantized and standard:
+        graph.quantization = {**graph.quantization, "method": "weight-only, blocked DequantizeLinear + MatMul"}
     spec = model_entry(graph, source, role, graph_file, dtype, max_seq).replace(attention=attention)
-    export_onnx(graph, work / graph_file, max_seq, TORCH_DTYPE[dtype], optimize=not (graph.contrib_ops or quantized),
-                facts=graph_facts(spec))
+    export_onnx(graph, work / graph_file, max_seq, TORCH_DTYPE[dtype], optimize=not (graph.contrib_ops or (quantized and not standard)),
+                facts=graph_facts(spec), standard_quant=quantized and standard)
+    spec = spec.replace(quantization=graph.quantization)  # the rewrite's counts, where it ran
     log(f"  {role}: exported {graph.num_layers} layers ({dtype}, {attention} attention) in "
         f"{time.perf_counter() - t0:.1f}s; checking parity")
     for line in quantization_lines(graph.quantization):
@@ -231,20 +235,29 @@ def _export_model(
 def quantization_lines(record: dict | None) -> list[str]:
     """What a quantized export says on the terminal: where its blocks came from, and each GGUF
     tensor that could not be imported as it is (quantized here from the file's floats), and why."""
-    if not record or record.get("source") is None:
-        return []
-    tensors = ", ".join(f"{n} {k}" for k, n in record["tensors"].items())
-    lines = [f"weights from {Path(record['source']).name}: {tensors} "
-             f"({record['imported_exactly']} imported exactly, {record['quantized_from_float']} quantized here)"]
+    lines: list[str] = []
+    if not record:
+        return lines
+    if record.get("source") is not None:
+        tensors = ", ".join(f"{n} {k}" for k, n in record["tensors"].items())
+        lines.append(f"weights from {Path(record['source']).name}: {tensors} "
+                     f"({record['imported_exactly']} imported exactly, {record['quantized_from_float']} quantized here)")
+    if "dequantize_linear" in record:
+        forms = record["dequantize_linear"]
+        lines.append(f"DequantizeLinear + MatMul: {forms['int4']} int4 weights, {forms['int8']} int8 (8-bit blocks, and 4-bit "
+                     "blocks that are not symmetric, kept exact in 8 bits: TensorRT's weight-only int4 is symmetric)")
     for entry in record.get("not_exact", []):
         lines.append(f"not imported exactly: {entry['tensor']} ({entry['why']}), quantized here from its floats as "
                      f"{entry['as'].split('->')[1]}")
     return lines
 
 
-def source_graph(source: Source, dtype: str, num_layers: int | None = None, quant_scheme: str = "exact") -> SpecGraph:
+def source_graph(source: Source, dtype: str, num_layers: int | None = None, quant_scheme: str = "exact",
+                 zero: str | None = None) -> SpecGraph:
     """The graph of `source` at `dtype`; int8/int4 quantize a copy as `quant_scheme` says
-    (the source stays float, so a target and its draft may differ in dtype and scheme)."""
+    (the source stays float, so a target and its draft may differ in dtype and scheme);
+    `zero` overrides the scheme's 4-bit form of weights quantized here ("none": symmetric,
+    what TensorRT's weight-only int4 takes)."""
     record = None
     vocab = source.head_vocab
     model = copy.deepcopy(source.model) if dtype in SCHEMES or vocab else source.model
@@ -252,7 +265,7 @@ def source_graph(source: Source, dtype: str, num_layers: int | None = None, quan
         restrict_head(model, vocab)
     if dtype in SCHEMES:
         gguf = source.path if source.path.suffix == ".gguf" else None
-        record = quantize_model(model, dtype, gguf, num_layers, quant_scheme)
+        record = quantize_model(model, dtype, gguf, num_layers, quant_scheme, **({"zero": zero} if zero else {}))
     else:
         model = model.to(TORCH_DTYPE[dtype])
     graph = SpecGraph(model, num_layers, head_vocab=vocab).eval()
@@ -279,7 +292,8 @@ def rebuild_graph(spec: ModelSpec) -> SpecGraph:
         source = load_source(spec.source)
     except ExportError as e:
         raise BundleError(f"the torch backend rebuilds the {spec.role} from its source model: {e}") from None
-    graph = source_graph(source, spec.dtype, spec.num_layers, (spec.quantization or {}).get("quant_scheme", "exact"))
+    record = spec.quantization or {}
+    graph = source_graph(source, spec.dtype, spec.num_layers, record.get("quant_scheme", "exact"), record.get("zero"))
     count = sum(p.numel() for p in graph.parameters())
     if count != spec.parameters:
         raise BundleError(
@@ -318,16 +332,28 @@ def build_bundle(
     quant_scheme: str = "exact",
     draft_attention: str | None = None,
     draft_quant_scheme: str | None = None,
+    device: str = "cpu",
 ) -> Manifest:
     """Export a target (and its draft) into the bundle folder `out`; returns the manifest.
     `dtype`, `attention` and `quant_scheme` are the target's; the draft model's default to
     DRAFT_DEFAULTS where its graph runs on ONNX Runtime only (int8/int4), else the target's.
-    A draft owes no exactness (a wrong proposal is only rejected): its graph may be the fastest."""
+    A draft owes no exactness (a wrong proposal is only rejected): its graph may be the fastest.
+    `device` (core DEVICES) is where the bundle will run: `dtype` None takes its default
+    (DEVICE_DTYPE; fp32 for a family whose activations overflow fp16), and for "tensorrt" every
+    graph keeps to standard ONNX (int8/int4 as DequantizeLinear + MatMul) and is checked
+    against TensorRT's parser before the bundle is written."""
     out = Path(out)
+    if device not in DEVICES:
+        raise ExportError(f"--for {device!r}: expected one of {', '.join(DEVICES)}")
     recipe = parse_draft(draft)
-    draft_dtype = dtype if draft_dtype is None else draft_dtype
+    if device == "tensorrt":
+        for flag, value in (("--attention", attention), ("--draft-attention", draft_attention),
+                            ("--quant-scheme", quant_scheme), ("--draft-quant-scheme", draft_quant_scheme)):
+            if value in ("fused", "fast"):
+                raise ExportError(f"--for tensorrt: {flag} {value} uses ONNX Runtime's contrib ops, which TensorRT's "
+                                  "parser does not read; leave it at its default")
     for flag, value, allowed in (
-        ("--dtype", dtype, DTYPES), ("--draft-dtype", draft_dtype, DTYPES),
+        ("--dtype", dtype or "fp32", DTYPES), ("--draft-dtype", draft_dtype or "fp32", DTYPES),
         ("--attention", attention, ATTENTIONS), ("--draft-attention", draft_attention or "exact", ATTENTIONS),
         ("--quant-scheme", quant_scheme, QUANT_SCHEMES), ("--draft-quant-scheme", draft_quant_scheme or "exact", QUANT_SCHEMES),
     ):
@@ -352,6 +378,12 @@ def build_bundle(
     started = time.perf_counter()
     log(f"loading target {target}")
     target_source = load_source(target)
+    if dtype is None:
+        dtype = DEVICE_DTYPE[device]
+        if dtype == "fp16" and not architecture(target_source.config).fp16:
+            dtype = "fp32"
+        log(f"--for {device}: --dtype {dtype}")
+    draft_dtype = dtype if draft_dtype is None else draft_dtype
     recipe.prepare(target_source, log)
     with atomic_folder(out, log) as work:
         common = dict(work=work, max_seq=max_seq, max_draft=max_draft, prefill_chunk=prefill_chunk, log=log)
@@ -361,7 +393,7 @@ def build_bundle(
             if role == "target":
                 model_attention, scheme = attention, quant_scheme
             else:
-                cpu_only = model_dtype in SCHEMES
+                cpu_only = model_dtype in SCHEMES and device != "tensorrt"
                 model_attention = draft_attention or (DRAFT_DEFAULTS["attention"] if cpu_only else attention)
                 scheme = draft_quant_scheme or (DRAFT_DEFAULTS["quant_scheme"] if cpu_only else quant_scheme)
             window = model_window(source.config, max_seq)
@@ -375,9 +407,9 @@ def build_bundle(
                 model_attention = "exact"  # a draft's default, where the family has no fused graph
             check_export(source.config, model_dtype, model_attention, str(source.path))
             check_layer_windows(source.config, max_seq, max_draft, str(source.path))
-            graph = source_graph(source, model_dtype, num_layers, scheme)
+            graph = source_graph(source, model_dtype, num_layers, scheme, "none" if device == "tensorrt" else None)
             return _export_model(graph, source, role=role, dtype=model_dtype, attention=model_attention,
-                                 full_model=full_model, **common)
+                                 full_model=full_model, device=device, **common)
 
         models = {"target": export_model(target_source, dtype, role="target")}
         draft_model = recipe.export(target_source, draft_dtype, export_model)
@@ -393,9 +425,18 @@ def build_bundle(
             models=models,
             tokenizer=tokenizer_entry(target_source, work),
             export_seconds=round(time.perf_counter() - started, 1),
+            device=device,
         )
         names = [p.name for p in work.iterdir() if p.is_file()]
         manifest = manifest.replace(files=checksums(work, names), sizes=file_sizes(work, names))
         write_manifest(work, manifest)
+        if device == "tensorrt":  # the promise --for tensorrt makes: TensorRT's parser takes every node
+            from .trt_ops import check_bundle
+
+            problems = check_bundle(work)
+            if problems:
+                raise ExportError(f"--for tensorrt: {len(problems)} node(s) TensorRT's parser refuses, the first: "
+                                  f"{problems[0]}")
+            log("  check-trt: TensorRT's parser takes every node of every graph")
     log(f"bundle written to {out} in {time.perf_counter() - started:.0f}s")
     return manifest
