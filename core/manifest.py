@@ -86,7 +86,7 @@ def _positive(value: int, key: str, where: str, most: int | None = None) -> int:
 MOST = {"num_layers": 1024, "num_kv_heads": 1024, "head_dim": 4096, "vocab_size": 1 << 22,
         "max_seq": 1 << 20, "max_draft": 32, "ngram": 64, "eos_token_ids": 64}
 MANIFEST_BYTES = 16 << 20  # a manifest is a few kB; past this it is not one
-KV_DTYPES = ("float32", "float16")
+KV_DTYPES = ("float32", "float16", "bfloat16")
 ATTENTIONS = ("exact", "fused")  # see ModelSpec.attention
 
 

@@ -228,7 +228,12 @@ def _export_model(
         hf_model=source.model if full_model and not quantized else None,
         text_ids=source.tokenizer.encode(PARITY_TEXT) if quantized else None,
     )
-    log(f"  {role}: parity ok (max relative logit difference {parity['max_rel_diff_ort_vs_eager']:.1e})")
+    ort_diff, source_diff = parity["max_rel_diff_ort_vs_eager"], parity["max_rel_diff_eager_vs_source"]
+    if ort_diff is not None:
+        log(f"  {role}: parity ok (max relative logit difference {ort_diff:.1e})")
+    else:  # bf16: no ONNX Runtime CPU kernels to run the graph here
+        log(f"  {role}: parity: the graph was not run (ONNX Runtime's CPU provider has no bfloat16 kernels); eager "
+            f"against the source {source_diff:.1e}" if source_diff is not None else f"  {role}: parity: not run (bf16)")
     return spec.replace(parity=parity)
 
 
@@ -352,6 +357,10 @@ def build_bundle(
             if value in ("fused", "fast"):
                 raise ExportError(f"--for tensorrt: {flag} {value} uses ONNX Runtime's contrib ops, which TensorRT's "
                                   "parser does not read; leave it at its default")
+        for flag, value in (("--dtype", dtype), ("--draft-dtype", draft_dtype)):
+            if value == "bf16":
+                raise ExportError(f"--for tensorrt: {flag} bf16: the trt backend stages its buffers in numpy, which has "
+                                  "no bfloat16; use fp16, or --for cuda (the torch backend runs bf16)")
     for flag, value, allowed in (
         ("--dtype", dtype or "fp32", DTYPES), ("--draft-dtype", draft_dtype or "fp32", DTYPES),
         ("--attention", attention, ATTENTIONS), ("--draft-attention", draft_attention or "exact", ATTENTIONS),

@@ -110,7 +110,7 @@ def rotary_onnx(x, position_ids, cos_cache, sin_cache, num_heads):
     register_schema(
         "RotaryEmbedding",
         [("input", "T"), ("position_ids", "M"), ("cos_cache", "T"), ("sin_cache", "T")],
-        {"T": ["tensor(float)", "tensor(float16)"], "M": ["tensor(int64)"]},
+        {"T": ["tensor(float)", "tensor(float16)", "tensor(bfloat16)"], "M": ["tensor(int64)"]},
         {"interleaved": "INT", "num_heads": "INT"},
     )
     return contrib("RotaryEmbedding")(x, position_ids, cos_cache, sin_cache, interleaved=0, num_heads=num_heads)
@@ -144,7 +144,7 @@ def skip_rms_norm_onnx(x, skip, weight, eps):
     register_schema(
         "SkipSimplifiedLayerNormalization",
         [("input", "T"), ("skip", "T"), ("gamma", "T")],
-        {"T": ["tensor(float)", "tensor(float16)"], "U": ["tensor(float)"]},
+        {"T": ["tensor(float)", "tensor(float16)", "tensor(bfloat16)"], "U": ["tensor(float)"]},
         {"epsilon": "FLOAT"},
         optional=("epsilon", "mean", "inv_std_var", "input_skip_bias_sum"),
         outputs=[("output", "T"), ("mean", "U"), ("inv_std_var", "U"), ("input_skip_bias_sum", "T")],
@@ -224,7 +224,7 @@ def group_query_attention_onnx(qkv, key_cache, value_cache, write_indices, atten
         "GroupQueryAttention",
         [("query", "T"), ("key", "T"), ("value", "T"), ("past_key", "T"), ("past_value", "T"),
          ("seqlens_k", "M"), ("total_sequence_length", "M"), ("cos_cache", "T"), ("sin_cache", "T")],
-        {"T": ["tensor(float)", "tensor(float16)"], "M": ["tensor(int32)"]},
+        {"T": ["tensor(float)", "tensor(float16)", "tensor(bfloat16)"], "M": ["tensor(int32)"]},
         {"num_heads": "INT", "kv_num_heads": "INT", "do_rotary": "INT", "rotary_interleaved": "INT", "scale": "FLOAT",
          "local_window_size": "INT"},
         optional=("key", "value", "past_key", "past_value", "cos_cache", "sin_cache", "do_rotary", "rotary_interleaved",

@@ -128,10 +128,11 @@ def test_every_family_exported_for_tensorrt_by_default_passes_check_trt(arch, tm
     assert f"--for tensorrt: --dtype {want}" in lines and check_bundle(tmp_path / "b") == []
 
 
-@pytest.mark.parametrize("choice", [dict(attention="fused"), dict(quant_scheme="fast"), dict(draft_attention="fused")])
+@pytest.mark.parametrize("choice", [dict(attention="fused"), dict(quant_scheme="fast"), dict(draft_attention="fused"),
+                                    dict(dtype="bf16")])
 def test_contrib_op_choices_for_tensorrt_are_one_line(choice, llama, tmp_path):
     with pytest.raises(ExportError) as e:
-        build_bundle(llama, "self:layers=1", tmp_path / "b", max_seq=64, dtype="int4", device="tensorrt", **choice)
+        build_bundle(llama, "self:layers=1", tmp_path / "b", max_seq=64, device="tensorrt", **{"dtype": "int4", **choice})
     assert "--for tensorrt" in str(e.value) and "\n" not in str(e.value)
     assert not (tmp_path / "b").exists()
 
@@ -139,3 +140,39 @@ def test_contrib_op_choices_for_tensorrt_are_one_line(choice, llama, tmp_path):
 def test_an_unknown_device_is_one_line(llama, tmp_path):
     with pytest.raises(ExportError, match="--for 'tpu': expected one of cpu, cuda, tensorrt"):
         build_bundle(llama, "none", tmp_path / "b", device="tpu")
+
+
+@pytest.mark.bundle
+def test_a_bf16_bundle_runs_on_the_torch_backend_losslessly_and_ort_refuses_it_in_one_line(llama, tmp_path):
+    """bf16 weights and KV: the ONNX graphs hold bfloat16; the torch backend runs the bundle (here on
+    the CPU), speculative == plain token for token, its logits near the source's own bf16 forward;
+    ONNX Runtime, with no bfloat16 CPU kernels, refuses it in one line."""
+    import onnx
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from specdeploy.core.errors import InputError
+    from specdeploy.runtime.backends import make_engine
+
+    out = tmp_path / "b"
+    build_bundle(llama, "self:layers=1", out, max_seq=128, max_draft=8, dtype="bf16", prefill_chunk=16, device="cuda")
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert {(e["dtype"], e["kv_dtype"]) for e in manifest["models"].values()} == {("bf16", "bfloat16")}
+    graph = onnx.load(str(out / "target.onnx"))
+    assert {t.data_type for t in graph.graph.initializer if len(t.dims) == 2} == {onnx.TensorProto.BFLOAT16}
+    with pytest.raises(InputError) as e:
+        Session(out)
+    assert "bf16 graph" in str(e.value) and "--backend torch" in str(e.value) and "\n" not in str(e.value)
+    session = Session(out, backend="torch")
+    session.eos_token_ids = []
+    for prompt in PROMPTS[:4]:
+        plain = session.generate(prompt, max_new_tokens=20, speculate=False)
+        for k in (1, 3, 8):
+            assert session.generate(prompt, max_new_tokens=20, draft_len=k).token_ids == plain.token_ids, (prompt, k)
+    ids = np.array(session.encode(" ".join(PROMPTS[:6])))[:48]
+    engine = make_engine("torch", session.bundle, session.bundle.model("target"), None)
+    got = np.concatenate([engine.forward(ids[a : a + 16], a).copy() for a in range(0, len(ids), 16)])
+    hf = AutoModelForCausalLM.from_pretrained(llama, dtype=torch.bfloat16).eval()
+    with torch.no_grad():
+        want = hf(torch.from_numpy(ids)[None]).logits[0].float().numpy()
+    assert np.abs(got - want).max() <= 0.08 * np.abs(want).max()  # PARITY_RTOL["bf16"]

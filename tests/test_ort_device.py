@@ -173,8 +173,13 @@ def test_a_dtype_the_provider_cannot_run(bundles):
     spec = bundle.model("draft").replace(dtype="int4")
     trt = Placement.for_bundle(bundle, "cuda", trt_ep=True)
     with pytest.raises(InputError, match=r"draft.onnx \(draft\) is a int4 graph; TensorrtExecutionProvider takes fp32, "
-                                         r"fp16 bundles .* drop --trt-ep, or export with --dtype fp16"):
+                                         r"fp16 bundles .* drop --trt-ep, or export with --for tensorrt"):
         check_placement(trt, spec, bundle.file(spec.graph))
+    # the same int4 graph exported --for tensorrt (DequantizeLinear + MatMul) passes the dtype check:
+    # what stops it here is the missing GPU, the next check
+    standard = spec.replace(quantization={"dequantize_linear": {"int4": 7, "int8": 1}})
+    with pytest.raises(DeviceError, match="^device cuda:0: "):
+        check_placement(trt, standard, bundle.file(spec.graph))
     assert set(ort_backend.PROVIDER_DTYPES[CUDA]) == {"fp32", "fp16", "int8", "int4"}
 
 

@@ -33,7 +33,7 @@ import onnxruntime as ort
 
 from specdeploy.core.errors import BundleError, InputError
 from specdeploy.core.graph_io import GRAPH_FACTS, LOGITS_ROWS, check_pass, fill_mask, fill_tree_mask, graph_facts, io_names, window_length
-from specdeploy.core.choices import DTYPES, FLOAT_DTYPES
+from specdeploy.core.choices import DTYPES, FLOAT_DTYPES, NUMPY_DTYPES
 from specdeploy.core.manifest import ModelSpec
 from specdeploy.runtime.decoding.tree import TreeLayout
 
@@ -48,10 +48,17 @@ CPU, CUDA, TENSORRT = "CPUExecutionProvider", "CUDAExecutionProvider", "Tensorrt
 # (MatMulNBits, RotaryEmbedding): the CPU and CUDA providers have kernels for them (CUDA: 4-bit
 # MatMulNBits since ORT 1.17, 8-bit since 1.22); TensorRT parses none of them.
 PROVIDER_DTYPES = {
-    CPU: DTYPES,
-    CUDA: DTYPES,
-    TENSORRT: FLOAT_DTYPES,
+    CPU: NUMPY_DTYPES,
+    CUDA: NUMPY_DTYPES,
+    TENSORRT: tuple(d for d in FLOAT_DTYPES if d in NUMPY_DTYPES),
 }
+assert set(NUMPY_DTYPES) <= set(DTYPES)
+
+
+def no_bfloat16(spec: ModelSpec, graph: str, backend: str) -> str:
+    """The one line a bf16 bundle gets from a backend without bfloat16 kernels or buffers."""
+    return (f"{graph} ({spec.role}) is a bf16 graph: {backend} here has no bfloat16 kernels or host buffers; run it "
+            "with --backend torch (CPU or GPU), or export with --dtype fp16 or fp32")
 
 MIN_WINDOW = 64  # the smallest attention window of a captured pass (see window_length)
 ALIGN = 256  # bytes between the starts of the staged inputs (CUDA allocations are 256-byte aligned)
@@ -253,11 +260,12 @@ def check_placement(placement: Placement, spec: ModelSpec, graph_path: Path) -> 
     if placement.device.kind == "cpu":
         return placement
     takes = PROVIDER_DTYPES[placement.provider]
-    if spec.dtype not in takes:
+    standard = "dequantize_linear" in (spec.quantization or {})  # exported --for tensorrt: no contrib op
+    if spec.dtype not in takes and not standard:
         raise InputError(
             f"{graph_path.name} ({spec.role}) is a {spec.dtype} graph; {placement.provider} takes {', '.join(takes)} "
             f"bundles (int graphs use ONNX Runtime contrib ops TensorRT does not parse): drop --trt-ep, "
-            f"or export with --dtype fp16"
+            f"or export with --for tensorrt"
         )
     available = ort.get_available_providers()
     missing = [devices.cuda_problem(placement.device)]  # every missing piece in the one line
@@ -497,6 +505,8 @@ class OrtEngine:
         self._threads = threads
         self._spinning = spec.role != "draft" if spinning is None else spinning
         placement = placement or Placement()
+        if spec.dtype not in NUMPY_DTYPES:
+            raise InputError(no_bfloat16(spec, graph_path.name, "ONNX Runtime"))
         if session is None:
             placement = check_placement(placement, spec, graph_path)
             session, placement = _load(graph_path, spec, max_seq, threads, self._spinning, placement)

@@ -47,6 +47,7 @@ from pathlib import Path
 
 import numpy as np
 
+from specdeploy.core.choices import NUMPY_DTYPES
 from specdeploy.core.errors import BundleError, InputError
 from specdeploy.core.graph_io import check_pass, fill_mask, window_length
 from specdeploy.core.manifest import ModelSpec
@@ -90,6 +91,10 @@ class TrtEngine:
         self.runs = 0  # passes begun (see OrtEngine.runs)
         self.vocab_size = spec.vocab_size
         self.length_bucket = length_bucket
+        if spec.dtype not in NUMPY_DTYPES:  # its host staging is numpy, which has no bfloat16
+            from .ort import no_bfloat16
+
+            raise InputError(no_bfloat16(spec, self.plan_path.name, "the trt backend"))
         self._modules = modules or import_modules()
         trt, cudart = self._modules
         self._cuda = cuda = Cuda(cudart)

@@ -50,8 +50,10 @@ def describe(bundle: Bundle) -> str:
         p = e.parity
         if p:
             src = p.get("max_rel_diff_eager_vs_source")
+            ort_diff = p["max_rel_diff_ort_vs_eager"]
             lines.append(
-                f"            parity: ONNX Runtime vs eager {p['max_rel_diff_ort_vs_eager']:.1e}"
+                "            parity: ONNX Runtime vs eager "
+                + (f"{ort_diff:.1e}" if ort_diff is not None else "not run (no bfloat16 CPU kernels)")
                 + (f", eager vs source {src:.1e}" if src is not None else "")
                 + f" (bound {p['bound']:.2g}, relative to the largest logit)"
             )
