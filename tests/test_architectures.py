@@ -132,6 +132,40 @@ def test_quantized_families_are_lossless_and_near_their_source(name, scheme, fam
     assert np.linalg.norm(got - want) / np.linalg.norm(want) <= 0.35
 
 
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_the_torch_backend_decodes_each_family_as_onnx_runtime_does(name, family_bundles):
+    """The torch backend rebuilds the graph from the source and runs it eager: plain and
+    speculative greedy tokens equal ONNX Runtime's on the same fp32 bundle."""
+    bundle = family_bundles(name, "self:layers=1")
+    ort_session, torch_session = Session(bundle), Session(bundle, backend="torch")
+    for prompt in TEST_PROMPTS[:2]:
+        want = ort_session.generate(prompt, max_new_tokens=NEW_TOKENS, speculate=False).token_ids
+        assert torch_session.generate(prompt, max_new_tokens=NEW_TOKENS, speculate=False).token_ids == want
+        assert torch_session.generate(prompt, max_new_tokens=NEW_TOKENS, draft_len=3).token_ids == want
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_sampled_speculation_keeps_each_familys_distribution(name, tmp_path):
+    """Seeded sampling through an int8 self-draft (every family quantizes now): the first two
+    tokens' frequencies over 1,500 seeds against the target's exact distribution, the suite's
+    chi-square test (test_sampling.py: alpha 1e-3, and its companion showing a broken sampler
+    fails it)."""
+    from test_sampling import ALPHA, SAMPLES, SETTINGS, VOCAB, _prompt_with_a_fair_draft, chi_square_pvalue, \
+        exact_first_two, sampled_first_two
+
+    arch, extra = FAMILIES[name]
+    tiny.make_model(tmp_path / "m", arch, seed=21, layers=2, vocab_size=VOCAB, initializer_range=0.5, **extra)
+    build_bundle(tmp_path / "m", "self:dtype=int8", tmp_path / "b", max_seq=32, max_draft=4, prefill_chunk=8)
+    session = Session(tmp_path / "b")
+    session.eos_token_ids = []
+    prompt = _prompt_with_a_fair_draft(session)
+    exact = exact_first_two(session, prompt, SETTINGS[0])
+    counts = sampled_first_two(session, prompt, SETTINGS[0], SAMPLES)
+    assert session.generate(prompt_ids=prompt, max_new_tokens=3, seed=0, temperature=1.0, draft_len=4).stats.drafted
+    pvalue, cells = chi_square_pvalue(exact, counts, SAMPLES)
+    assert cells >= 5 and pvalue > ALPHA, f"chi-square p = {pvalue:.2e} over {cells} cells"
+
+
 @pytest.mark.parametrize("rope", [
     {"rope_type": "linear", "factor": 2.0},
     {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
