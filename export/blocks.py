@@ -37,8 +37,8 @@ class Blocks:
         return self.bits, self.block, self.mins is not None
 
     def dequantize(self) -> np.ndarray:
-        """The float32 weights: (q - zero) * scale, then + min; each step exact but the last
-        one, as ggml's dequantizers compute it (so an imported GGUF tensor compares equal)."""
+        """The float32 weights: (q - zero) * scale, then + min, the operations gguf-py's
+        dequantizers do in the same order (so an imported GGUF tensor compares equal bit for bit)."""
         n, k = self.q.shape
         q = self.q.reshape(n, k // self.block, self.block).astype(np.float32)
         w = (q - self.zero[..., None].astype(np.float32)) * self.scale[..., None]

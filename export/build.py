@@ -213,8 +213,11 @@ def _export_model(
     if quantized and standard:
         graph.quantization = {**graph.quantization, "method": "weight-only, blocked DequantizeLinear + MatMul"}
     spec = model_entry(graph, source, role, graph_file, dtype, max_seq).replace(attention=attention)
-    export_onnx(graph, work / graph_file, max_seq, TORCH_DTYPE[dtype], optimize=not (graph.contrib_ops or (quantized and not standard)),
-                facts=graph_facts(spec), standard_quant=quantized and standard)
+    # constant folding: TensorRT's parser wants constant axes and shapes (skipped for ONNX Runtime's
+    # quantized graphs, on which it takes minutes and which ONNX Runtime folds at load)
+    fold = not (graph.contrib_ops or (quantized and not standard))
+    export_onnx(graph, work / graph_file, max_seq, TORCH_DTYPE[dtype], optimize=fold, facts=graph_facts(spec),
+                standard_quant=quantized and standard)
     spec = spec.replace(quantization=graph.quantization)  # the rewrite's counts, where it ran
     log(f"  {role}: exported {graph.num_layers} layers ({dtype}, {attention} attention) in "
         f"{time.perf_counter() - t0:.1f}s; checking parity")

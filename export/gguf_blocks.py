@@ -21,9 +21,9 @@ d and dmin are float16 and a K-quant's sub-block scale sc and minimum m are inte
 most 8 bits, so d sc and dmin m are exact in float32: one float32 scale (and minimum) per
 block of 16 or 32 holds the super-block's two levels with nothing rounded. 5- and 6-bit
 values sit in 8-bit storage with their offset as the zero point, and IQ4's non-uniform levels,
-being int8 values, sit there too. `Blocks.dequantize`
-computes (q - zero) * scale + min, the same products and the same one rounding as gguf-py's
-dequantizer, and the tests hold the two equal bit for bit.
+being int8 values, sit there too. `Blocks.dequantize` computes (q - zero) * scale + min, the
+same operations in the same order as gguf-py's dequantizer, and the tests hold the two equal
+bit for bit.
 """
 from __future__ import annotations
 
