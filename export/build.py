@@ -277,7 +277,8 @@ def source_graph(source: Source, dtype: str, num_layers: int | None = None, quan
     else:
         model = model.to(TORCH_DTYPE[dtype])
     graph = SpecGraph(model, num_layers, head_vocab=vocab).eval()
-    graph.inv_freq = graph.inv_freq.float()  # RoPE angles stay in fp32 whatever the weights
+    for name in set(graph.rope_of_layer):  # RoPE angles stay in fp32 whatever the weights
+        setattr(graph, name, getattr(graph, name).float())
     graph.quantization = record
     return graph
 

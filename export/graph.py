@@ -150,14 +150,17 @@ class SpecGraph(nn.Module):
         rotary = base.rotary_emb
         if arch.rope_by_layer_type:
             # one set of angles per layer type (Gemma 3: local and global bases): buffers
-            # inv_freq (full attention) and inv_freq_sliding, each layer naming its own
+            # inv_freq (full attention) and inv_freq_sliding, each layer naming its own; a model
+            # with layers of one type only (a one-layer draft) has that type's alone
             kinds = cfg.layer_types[:n]
             self.rope_of_layer = ["inv_freq" if k == "full_attention" else "inv_freq_sliding" for k in kinds]
             self.rope_scales = {}
             for kind, name in (("full_attention", "inv_freq"), ("sliding_attention", "inv_freq_sliding")):
-                self.register_buffer(name, getattr(rotary, f"{kind}_inv_freq").detach().clone().float(), persistent=False)
-                self.rope_scales[name] = float(getattr(rotary, f"{kind}_attention_scaling"))
-            self.rope_scale = self.rope_scales["inv_freq"]
+                if kind in cfg.layer_types:
+                    self.register_buffer(name, getattr(rotary, f"{kind}_inv_freq").detach().clone().float(),
+                                         persistent=False)
+                    self.rope_scales[name] = float(getattr(rotary, f"{kind}_attention_scaling"))
+            self.rope_scale = self.rope_scales.get("inv_freq")  # the contrib-op graphs' (families without them: unused)
         else:
             self.register_buffer("inv_freq", rotary.inv_freq.detach().clone().float(), persistent=False)
             self.rope_scale = float(rotary.attention_scaling)

@@ -1,6 +1,7 @@
 """The families beyond Llama / Qwen2 / Mistral (export/architectures.py): each exported at fp32
 gives Hugging Face `generate(do_sample=False)`'s tokens, plain and speculative (a layer-truncated
-self-draft and an n-gram draft, draft lengths 1, 3 and 8), and a graph TensorRT's parser takes;
+self-draft, a one-layer draft model of the same family, n-gram and suffix drafts, draft lengths
+1, 3 and 8), and a graph TensorRT's parser takes;
 what the graph does not reproduce is refused at export in one line naming the config field."""
 from __future__ import annotations
 
@@ -44,7 +45,8 @@ def family_models(tmp_path_factory):
     root = tmp_path_factory.mktemp("families")
     for seed, (name, (arch, extra)) in enumerate(FAMILIES.items()):
         tiny.make_model(root / name, arch, seed=10 + seed, layers=3, **extra)
-    return {name: root / name for name in FAMILIES}
+        tiny.make_model(root / f"{name}-draft", arch, seed=30 + seed, layers=1, **extra)  # same family and tokenizer
+    return {key: root / key for name in FAMILIES for key in (name, f"{name}-draft")}
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +58,8 @@ def family_bundles(family_models, tmp_path_factory):
         key = (name, draft)
         if key not in built:
             out = root / f"{name}-{draft.replace(':', '-').replace('=', '')}"
-            build_bundle(family_models[name], draft, out, max_seq=MAX_SEQ, max_draft=8, prefill_chunk=16)
+            spec = str(family_models[f"{name}-draft"]) if draft == "model" else draft
+            build_bundle(family_models[name], spec, out, max_seq=MAX_SEQ, max_draft=8, prefill_chunk=16)
             built[key] = out
         return built[key]
 
@@ -76,7 +79,7 @@ def test_the_tiny_models_have_the_shapes_meant(family_models):
 
 
 @pytest.mark.parametrize("name", list(FAMILIES))
-@pytest.mark.parametrize("draft", ["self:layers=1", "ngram"])
+@pytest.mark.parametrize("draft", ["self:layers=1", "ngram", "suffix", "model"])
 def test_plain_and_speculative_equal_hf_generate(name, draft, family_models, family_bundles):
     bundle = family_bundles(name, draft)
     session = Session(bundle)
