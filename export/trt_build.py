@@ -235,9 +235,10 @@ def build_engines(
         config = builder.create_builder_config()
         workspace = int(workspace_gb * (1 << 30))
         config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, workspace)
-        tf32 = entry.dtype != "fp32"
+        tf32 = entry.dtype in ("fp16", "bf16")
         if not tf32:
-            # An fp32 bundle asks for fp32 arithmetic; BuilderFlag.TF32 is "enabled by default" and
+            # An fp32 bundle (or an int8/int4 one exported --for tensorrt: float32 activations
+            # around its dequantized weights) asks for fp32 arithmetic; BuilderFlag.TF32 is "enabled by default" and
             # would round matmul inputs to 10-bit mantissas (NvInfer.h, BuilderFlag::kTF32, 10.15 and 11.1).
             config.clear_flag(trt.BuilderFlag.TF32)
         for p in profiles:
