@@ -85,7 +85,9 @@ def test_plain_and_speculative_equal_hf_generate(name, draft, family_models, fam
     session = Session(bundle)
     hf = AutoModelForCausalLM.from_pretrained(family_models[name], dtype=torch.float32).eval()
     longest = 0
-    for prompt in TEST_PROMPTS:
+    # the target is the same graph in every bundle: the drafts added later run on the two prompts
+    # that matter most (code, and the longest, past every window)
+    for prompt in TEST_PROMPTS if draft in ("self:layers=1", "ngram") else TEST_PROMPTS[1:3]:
         ids = session.encode(prompt)
         plain = session.generate(prompt_ids=ids, max_new_tokens=NEW_TOKENS, speculate=False)
         longest = max(longest, len(ids) + len(plain.token_ids))
@@ -102,8 +104,9 @@ def test_plain_and_speculative_equal_hf_generate(name, draft, family_models, fam
         assert check_bundle(bundle) == []  # TensorRT's parser takes every node of both graphs
 
 
-@pytest.mark.parametrize("name", list(FAMILIES))
-@pytest.mark.parametrize("scheme", ["exact", "fast"])
+# The fast scheme once, on a family whose embedding is scaled (its 4-bit table is read through
+# QuantEmbedding): its linears are the exact scheme's code with another rounding.
+@pytest.mark.parametrize("name, scheme", [(name, "exact") for name in FAMILIES] + [("gemma2", "fast")])
 def test_quantized_families_are_lossless_and_near_their_source(name, scheme, family_models, tmp_path):
     """int4 (MatMulNBits around the family's own RoPE and norms): speculative == plain token for
     token with an int4 self-draft at draft lengths 1, 3 and 8, and the logits within int4's
@@ -118,7 +121,7 @@ def test_quantized_families_are_lossless_and_near_their_source(name, scheme, fam
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["models"]["target"]["quantization"]["quant_scheme"] == scheme
     session = Session(out)
-    for prompt in TEST_PROMPTS:
+    for prompt in TEST_PROMPTS[:2]:
         ids = session.encode(prompt)
         plain = session.generate(prompt_ids=ids, max_new_tokens=NEW_TOKENS, speculate=False)
         for k in DRAFT_LENS:

@@ -117,7 +117,8 @@ def test_an_int4_bundle_for_tensorrt_is_standard_onnx_and_lossless(llama, tmp_pa
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral", "qwen3", "phi3", "gemma2", "gemma3_text"])
 def test_every_family_exported_for_tensorrt_by_default_passes_check_trt(arch, tmp_path):
     """--for tensorrt with no other choice: fp16 (fp32 for Gemma, whose activations overflow
-    fp16), a self-draft, and check-trt run by export itself (it raises on a refused node)."""
+    fp16), a self-draft, and check-trt run by export itself (it raises on a refused node); the
+    bundle decodes on ONNX Runtime's CPU provider, speculative == plain."""
     tiny.make_model(tmp_path / "m", arch, layers=2)
     lines: list[str] = []
     build_bundle(tmp_path / "m", "self:layers=1", tmp_path / "b", max_seq=64, dtype=None, device="tensorrt",
@@ -126,6 +127,11 @@ def test_every_family_exported_for_tensorrt_by_default_passes_check_trt(arch, tm
     want = "fp32" if arch.startswith("gemma") else "fp16"
     assert {e["dtype"] for e in manifest["models"].values()} == {want}
     assert f"--for tensorrt: --dtype {want}" in lines and check_bundle(tmp_path / "b") == []
+    session = Session(tmp_path / "b")
+    session.eos_token_ids = []
+    plain = session.generate(PROMPTS[1], max_new_tokens=16, speculate=False)
+    for k in (1, 4):
+        assert session.generate(PROMPTS[1], max_new_tokens=16, draft_len=k).token_ids == plain.token_ids, k
 
 
 @pytest.mark.parametrize("choice", [dict(attention="fused"), dict(quant_scheme="fast"), dict(draft_attention="fused"),
