@@ -391,6 +391,12 @@ class Manifest:
         return dataclasses.replace(self, **changes)
 
 
+def not_exact_line(entry: dict) -> str:
+    """A quantization record's `not_exact` entry as export and inspect print it."""
+    return (f"not imported exactly: {entry['tensor']} ({entry['why']}), quantized here from its floats as "
+            f"{entry['as'].split('->')[1]}")
+
+
 def _device(d: dict, where: str) -> str | None:
     device = _take(d, "device", str, where, optional=True)
     if device is not None and device not in DEVICES:

@@ -25,7 +25,7 @@ import torch
 from specdeploy.core.errors import BundleError, ExportError
 from specdeploy.core.graph_io import LOGITS_ROWS, graph_facts, io_names, kv_names
 from specdeploy.core.choices import DEVICE_DTYPE, DEVICES, DTYPES, KV_DTYPE, QUANT_SCHEMES
-from specdeploy.core.manifest import ATTENTIONS, FORMAT, MANIFEST, Manifest, ModelSpec, TokenizerEntry, checksums, file_sizes, write_manifest
+from specdeploy.core.manifest import ATTENTIONS, FORMAT, MANIFEST, Manifest, ModelSpec, TokenizerEntry, checksums, file_sizes, not_exact_line, write_manifest
 
 from .architectures import architecture, check_export
 from .drafts import parse_draft
@@ -210,15 +210,16 @@ def _export_model(
     standard = device == "tensorrt"  # standard ONNX ops only (TensorRT's parser reads no contrib op)
     if (quantized and graph.arch.contrib_ops and not standard) or fused:  # ONNX Runtime's fused contrib ops
         graph.use_contrib_ops(max_seq, fused=fused)
-    if quantized and standard:
-        graph.quantization = {**graph.quantization, "method": "weight-only, blocked DequantizeLinear + MatMul"}
     spec = model_entry(graph, source, role, graph_file, dtype, max_seq).replace(attention=attention)
     # constant folding: TensorRT's parser wants constant axes and shapes (skipped for ONNX Runtime's
     # quantized graphs, on which it takes minutes and which ONNX Runtime folds at load)
     fold = not (graph.contrib_ops or (quantized and not standard))
-    export_onnx(graph, work / graph_file, max_seq, TORCH_DTYPE[dtype], optimize=fold, facts=graph_facts(spec),
-                standard_quant=quantized and standard)
-    spec = spec.replace(quantization=graph.quantization)  # the rewrite's counts, where it ran
+    forms = export_onnx(graph, work / graph_file, max_seq, TORCH_DTYPE[dtype], optimize=fold,
+                        facts=graph_facts(spec), standard_quant=quantized and standard)
+    if forms is not None:
+        graph.quantization = {**graph.quantization, "method": "weight-only, blocked DequantizeLinear + MatMul",
+                              "dequantize_linear": forms}
+        spec = spec.replace(quantization=graph.quantization)
     log(f"  {role}: exported {graph.num_layers} layers ({dtype}, {attention} attention) in "
         f"{time.perf_counter() - t0:.1f}s; checking parity")
     for line in quantization_lines(graph.quantization):
@@ -235,8 +236,8 @@ def _export_model(
     if ort_diff is not None:
         log(f"  {role}: parity ok (max relative logit difference {ort_diff:.1e})")
     else:  # bf16: no ONNX Runtime CPU kernels to run the graph here
-        log(f"  {role}: parity: the graph was not run (ONNX Runtime's CPU provider has no bfloat16 kernels); eager "
-            f"against the source {source_diff:.1e}" if source_diff is not None else f"  {role}: parity: not run (bf16)")
+        against = "" if source_diff is None else f"; eager against the source {source_diff:.1e}"
+        log(f"  {role}: parity: the graph was not run (ONNX Runtime's CPU provider has no bfloat16 kernels){against}")
     return spec.replace(parity=parity)
 
 
@@ -254,9 +255,7 @@ def quantization_lines(record: dict | None) -> list[str]:
         forms = record["dequantize_linear"]
         lines.append(f"DequantizeLinear + MatMul: {forms['int4']} int4 weights, {forms['int8']} int8 (8-bit blocks, and 4-bit "
                      "blocks that are not symmetric, kept exact in 8 bits: TensorRT's weight-only int4 is symmetric)")
-    for entry in record.get("not_exact", []):
-        lines.append(f"not imported exactly: {entry['tensor']} ({entry['why']}), quantized here from its floats as "
-                     f"{entry['as'].split('->')[1]}")
+    lines += [not_exact_line(entry) for entry in record.get("not_exact", [])]
     return lines
 
 

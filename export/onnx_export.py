@@ -49,10 +49,11 @@ def kv_buffers(graph: SpecGraph, max_seq: int, dtype: torch.dtype) -> list[torch
 
 
 def export_onnx(graph: SpecGraph, path: Path, max_seq: int, kv_dtype: torch.dtype, optimize: bool = True,
-                facts: dict | None = None, standard_quant: bool = False) -> None:
+                facts: dict | None = None, standard_quant: bool = False) -> dict[str, int] | None:
     """Export with torch.onnx (dynamo), name the dynamic dims T and L, run onnx.checker.
 
-    `standard_quant`: each MatMulNBits rewritten as DequantizeLinear + MatMul (export/qdq.py).
+    `standard_quant`: each MatMulNBits rewritten as DequantizeLinear + MatMul (export/qdq.py);
+    returns how many weights became INT4 and INT8 (None without it).
     `optimize` runs the exporter's graph optimizer (constant folding: TensorRT's parser
     wants constant axes and shapes as initializers). The CPU-only quantized graphs skip it:
     ONNX Runtime folds the same at load, and on them the optimizer's pattern matching
@@ -98,11 +99,11 @@ def export_onnx(graph: SpecGraph, path: Path, max_seq: int, kv_dtype: torch.dtyp
     model = onnx.load(str(path))
     _name_dims(model)
     _drop_unused_outputs(model)
+    counts = None
     if standard_quant:  # MatMulNBits as DequantizeLinear + MatMul: the same values in standard ONNX
         from .qdq import to_dequantize_linear
 
         counts = to_dequantize_linear(model)
-        graph.quantization = {**graph.quantization, "dequantize_linear": counts}
     if facts is not None:  # what the manifest will say of this graph (core/graph_io.py GRAPH_FACTS)
         onnx.helper.set_model_props(model, {GRAPH_FACTS: json.dumps(facts, sort_keys=True)})
     onnx.save(model, str(path))
@@ -111,6 +112,7 @@ def export_onnx(graph: SpecGraph, path: Path, max_seq: int, kv_dtype: torch.dtyp
     writer = "GroupQueryAttention" if graph.fused else "TensorScatter"
     if writer not in ops:
         raise ExportError(f"{path}: export produced no {writer} node; the KV cache would not be written in place")
+    return counts
 
 
 def _name_dims(model) -> None:

@@ -242,6 +242,24 @@ def group_query_attention_onnx(qkv, key_cache, value_cache, write_indices, atten
 
 # -- weight-only quantized linears and embeddings (int8/int4 graphs)
 
+def unpack_nbits(packed: torch.Tensor, zero_points: torch.Tensor | None, k: int, n: int, bits: int,
+                 block: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """MatMulNBits' B and zero points -> the values q [N, K/block, block] and each block's zero
+    point [N, K/block], uint8. 4-bit: two a byte, low nibble first (zero points likewise, each
+    row padded to whole bytes); no zero points: every block's is 2^(bits - 1), as the op assumes."""
+    nb = k // block
+    if zero_points is None:
+        zero_points = torch.full((n * ((nb + 1) // 2 if bits == 4 else nb),), 0x88 if bits == 4 else 128,
+                                 dtype=torch.uint8, device=packed.device)
+    if bits == 4:
+        q = torch.stack([packed & 0x0F, packed >> 4], dim=-1).reshape(n, nb, block)
+        zp = torch.stack([zero_points & 0x0F, zero_points >> 4], dim=-1).reshape(n, -1)[:, :nb]
+    else:
+        q = packed.reshape(n, nb, block)
+        zp = zero_points.reshape(n, nb)
+    return q, zp
+
+
 @torch.library.custom_op("specdeploy::matmul_nbits", mutates_args=())
 def matmul_nbits(
     x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zero_points: torch.Tensor | None, k: int, n: int, bits: int,
@@ -257,15 +275,7 @@ def matmul_nbits(
     scale = xb.abs().amax(-1, keepdim=True) / 127
     inverse = torch.where(scale > 0, 1 / scale, torch.zeros_like(scale))
     x = (torch.round(xb * inverse) * scale).reshape(x.shape)
-    if zero_points is None:
-        zero_points = torch.full((n * ((nb + 1) // 2 if bits == 4 else nb),), 0x88 if bits == 4 else 128,
-                                 dtype=torch.uint8, device=packed.device)
-    if bits == 4:
-        q = torch.stack([packed & 0x0F, packed >> 4], dim=-1).reshape(n, nb, block)
-        zp = torch.stack([zero_points & 0x0F, zero_points >> 4], dim=-1).reshape(n, -1)[:, :nb]
-    else:
-        q = packed.reshape(n, nb, block)
-        zp = zero_points.reshape(n, nb)
+    q, zp = unpack_nbits(packed, zero_points, k, n, bits, block)
     w = (q.float() - zp.float()[..., None]) * scales.reshape(n, nb, 1)
     return torch.matmul(x, w.reshape(n, k).to(x.dtype).t())
 

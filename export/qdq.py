@@ -16,25 +16,18 @@ MatMul over the dequantized weights. The block minimum term is standard ops alre
 from __future__ import annotations
 
 import numpy as np
+import torch
 
 from specdeploy.core.errors import ExportError
 
-from .ops import DOMAIN
+from .ops import DOMAIN, unpack_nbits
 
 
-def _unpack(b: np.ndarray, zero_points: np.ndarray | None, n: int, k: int, bits: int, block: int) -> np.ndarray:
+def _signed(b: np.ndarray, zero_points: np.ndarray | None, n: int, k: int, bits: int, block: int) -> np.ndarray:
     """MatMulNBits' B (and zero points) -> the signed values q - zero, int16 [N, K]."""
-    nb = k // block
-    if bits == 4:
-        q = np.stack([b & 0x0F, b >> 4], axis=-1).reshape(n, k)
-        if zero_points is None:
-            zero = np.full((n, nb), 8, dtype=np.int16)
-        else:
-            zero = np.stack([zero_points & 0x0F, zero_points >> 4], axis=-1).reshape(n, -1)[:, :nb]
-    else:
-        q = b.reshape(n, k)
-        zero = np.full((n, nb), 128, dtype=np.int16) if zero_points is None else zero_points.reshape(n, nb)
-    return q.astype(np.int16) - np.repeat(zero.astype(np.int16), block, axis=1)
+    tensor = lambda a: torch.from_numpy(a.copy())  # noqa: E731 (an initializer's array is read-only)
+    q, zp = unpack_nbits(tensor(b), None if zero_points is None else tensor(zero_points), k, n, bits, block)
+    return (q.to(torch.int16) - zp.to(torch.int16)[..., None]).reshape(n, k).numpy()
 
 
 def to_dequantize_linear(model) -> dict[str, int]:
@@ -59,7 +52,7 @@ def to_dequantize_linear(model) -> dict[str, int]:
             raise ExportError(f"MatMulNBits {node.name}: its weights are not initializers; cannot rewrite it")
         b = numpy_helper.to_array(inits[b_name])
         zero = numpy_helper.to_array(inits[z_name]) if z_name else None
-        values = _unpack(b, zero, n, k, bits, block)
+        values = _signed(b, zero, n, k, bits, block)
         scales = numpy_helper.to_array(inits[s_name]).reshape(n, k // block)
         if values.min() >= -8 and values.max() <= 7:
             kind, weight = "int4", values.T.astype(ml_dtypes.int4)

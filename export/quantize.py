@@ -40,6 +40,7 @@ from torch import nn
 from specdeploy.core.errors import ExportError
 from specdeploy.core.choices import QUANT_SCHEMES
 
+from .architectures import architecture
 from .blocks import Blocks, pack, quantize_float
 from .gguf_blocks import GGUF_TYPES, GgufWeights, gguf_blocks
 from .ops import ACCURACY_LEVEL, BLOCK, gather_block_quantized, matmul_nbits
@@ -134,8 +135,6 @@ def quantize_model(model: nn.Module, scheme: str, gguf_path: Path | None = None,
     (export/gguf_blocks.py), under any --dtype: a Q6_K tensor in an int4 export stays 6-bit,
     never rounded a second time. `scheme` sets the bits of what is quantized here from float
     weights; the record's "not_exact" lists each GGUF tensor that was, and why."""
-    from .architectures import architecture
-
     if scheme not in SCHEMES:
         raise ExportError(f"quantization {scheme!r}: expected one of {', '.join(SCHEMES)}")
     if quant_scheme not in QUANT_SCHEMES:

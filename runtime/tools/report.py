@@ -1,7 +1,7 @@
 """Human-readable views of bundles and runs."""
 from __future__ import annotations
 
-from specdeploy.core.manifest import FORMAT, Bundle
+from specdeploy.core.manifest import FORMAT, Bundle, not_exact_line
 from specdeploy.runtime.decoding.stats import Stats
 
 
@@ -44,9 +44,7 @@ def describe(bundle: Bundle) -> str:
                 f"({q['imported_exactly']} imported exactly, {q['quantized_from_float']} quantized from float); "
                 "the parameter count above is the float ones"
             )
-            for entry in q.get("not_exact", []):
-                lines.append(f"            not imported exactly: {entry['tensor']} ({entry['why']}), "
-                             f"quantized here as {entry['as'].split('->')[1]}")
+            lines += [f"            {not_exact_line(entry)}" for entry in q.get("not_exact", [])]
         p = e.parity
         if p:
             src = p.get("max_rel_diff_eager_vs_source")
