@@ -39,7 +39,7 @@ def describe(bundle: Bundle) -> str:
             tensors = ", ".join(f"{n} {k}" for k, n in q["tensors"].items())
             lines.append(
                 f"            weights: {q['scheme']} {q.get('quant_scheme', 'exact')} scheme, blocks of {q['block_size']} "
-                f"(MatMulNBits, accuracy level "
+                f"({'DequantizeLinear + MatMul' if 'dequantize_linear' in q else 'MatMulNBits'}, accuracy level "
                 f"{q['accuracy_level']}), head int{q['head_bits']}, embedding {q['embedding']}; {tensors} "
                 f"({q['imported_exactly']} imported exactly, {q['quantized_from_float']} quantized from float); "
                 "the parameter count above is the float ones"
