@@ -134,27 +134,42 @@ def export_cmd(target, draft, out, max_seq, max_draft, device, dtype, draft_dtyp
 @main.command("distill")
 @click.option("--target", required=True, help="Hugging Face model folder or .gguf file ('smollm2': the embedded default).")
 @click.option("--out", required=True, type=click.Path(path_type=Path), help="Folder for the draft (a Hugging Face model).")
-@click.option("--layers", type=int, help="Draft layers, initialised from the target's first ones.  [default: 2]")
+@click.option("--kind", type=click.Choice(["model", "eagle3"]), default="model", show_default=True,
+              help="model: a small causal LM of the target's family; eagle3: an EAGLE-3 head over the target's hidden "
+                   "states, in the published layout.")
+@click.option("--layers", type=int, help="Draft layers, initialised from the target's first ones (--kind model).  [default: 2]")
 @click.option("--draft-vocab", type=int, help="Tokens the draft's head covers (the target's most frequent picks).  [default: 8192]")
-@click.option("--tokens", type=int, help="Answer tokens the target generates to learn from.  [default: 40000]")
-@click.option("--steps", type=int, help="Training steps.  [default: 500]")
+@click.option("--tokens", type=int, help="Answer tokens the target generates to learn from.  [default: 40000; eagle3 100000]")
+@click.option("--steps", type=int, help="Training steps.  [default: 500; eagle3 1200]")
+@click.option("--ttt", type=int, help="--kind eagle3: unrolled draft steps per training row.  [default: 3]")
 @click.option("--batch", type=int, help="Answers per training step.  [default: 8]")
-@click.option("--lr", type=float, help="Peak learning rate (AdamW, warm-up then cosine).  [default: 0.001]")
+@click.option("--lr", type=float, help="Peak learning rate (AdamW, warm-up then cosine).  [default: 0.001; eagle3 0.002]")
 @click.option("--temperature", type=float, help="The target samples its answers at this temperature (0: greedy).  [default: 0.7]")
 @click.option("--max-new-tokens", type=int, help="Tokens per answer.  [default: 128]")
 @click.option("--seed", type=int, help="Everything random is drawn from it.  [default: 0]")
 @click.option("--no-progress", is_flag=True, help="No progress bars.")
-def distill_cmd(target, out, no_progress, **given):
-    """Train a small draft for TARGET: it learns the target's own next-token distributions on
+def distill_cmd(target, out, kind, no_progress, **given):
+    """Train a draft for TARGET: it learns the target's own next-token distributions on
     answers the target writes. Interrupted runs resume (work in OUT.work/); the result is the
     same under the same seed. Export it with `specdeploy export --draft OUT`."""
     from specdeploy.export import embedded_default
-    from specdeploy.export.distill import DistillSettings, distill
 
     if target == "smollm2":
         target = embedded_default()
-    settings = DistillSettings(**{k: v for k, v in given.items() if v is not None})
-    distill(target, out, settings, log=lambda m: click.echo(m, err=True), progress=not no_progress)
+    given = {k: v for k, v in given.items() if v is not None}
+    say = dict(log=lambda m: click.echo(m, err=True), progress=not no_progress)
+    if kind == "eagle3":
+        from specdeploy.export.distill_eagle3 import HeadSettings, distill_head
+
+        if "layers" in given:
+            raise InputError("--layers: a --kind model setting; an EAGLE-3 head has one layer")
+        distill_head(target, out, HeadSettings(**given), **say)
+        return
+    from specdeploy.export.distill import DistillSettings, distill
+
+    if "ttt" in given:
+        raise InputError("--ttt: a --kind eagle3 setting")
+    distill(target, out, DistillSettings(**given), **say)
 
 
 def _parse_ids(text: str) -> list[int]:

@@ -39,12 +39,30 @@ def graph_facts(spec) -> dict:
     return {"attention": spec.attention, "dtype": spec.dtype, "sliding_window": spec.sliding_window}
 
 
-def io_names(num_layers: int, logits_rows: bool = True) -> tuple[list[str], list[str]]:
+# Hidden states an EAGLE-3 draft reads (docs/drafters.md, "EAGLE-3 heads"), each [1, rows, width]
+# float32 after the contract's own tensors: a target exported for such a draft returns the
+# states of its chosen layers for every row of a pass (AUX_HIDDEN, the layers side by side);
+# the head takes them (AUX_HIDDEN) or its own last state (DRAFT_HIDDEN) and returns its new
+# state for the rows whose logits it returns (DRAFT_HIDDEN_OUT).
+AUX_HIDDEN = "aux_hidden_states"
+DRAFT_HIDDEN = "draft_hidden"
+DRAFT_HIDDEN_OUT = "draft_hidden_out"
+FEATURE_INPUTS = (AUX_HIDDEN, DRAFT_HIDDEN)
+FEATURE_OUTPUTS = (AUX_HIDDEN, DRAFT_HIDDEN_OUT)
+
+
+def io_names(num_layers: int, logits_rows: bool = True, inputs: tuple[str, ...] = (),
+             outputs: tuple[str, ...] = ()) -> tuple[list[str], list[str]]:
     """The graph's input and output names, in order (`logits_rows`: a graph that takes the
-    rows whose logits it returns, as every ONNX graph from format version 2 on)."""
+    rows whose logits it returns, as every ONNX graph from format version 2 on; `inputs`,
+    `outputs`: the hidden states of FEATURE_INPUTS / FEATURE_OUTPUTS it takes and returns).
+
+    >>> io_names(1, outputs=(AUX_HIDDEN,))[1]
+    ['logits', 'present_key_0', 'present_value_0', 'aux_hidden_states']
+    """
     kv = kv_names(num_layers)
     rows = [LOGITS_ROWS] if logits_rows else []
-    return list(STEP_INPUTS) + [p for p, _ in kv] + rows, ["logits"] + [p for _, p in kv]
+    return list(STEP_INPUTS) + [p for p, _ in kv] + rows + list(inputs), ["logits"] + [p for _, p in kv] + list(outputs)
 
 
 def window_length(start: int, t: int, min_window: int | None = None, max_seq: int | None = None) -> int:

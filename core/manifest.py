@@ -27,7 +27,7 @@ FORMAT = "specdeploy-bundle"
 FORMAT_VERSION = 2  # 2: graphs take logits_rows (core/graph_io.py)
 READS_VERSIONS = (1, 2)
 MANIFEST = "manifest.json"
-DRAFT_KINDS = ("model", "self", "ngram", "suffix", "none")  # the one list: export's recipes, the runtime's drafters
+DRAFT_KINDS = ("model", "self", "eagle3", "ngram", "suffix", "none")  # the one list: export's recipes, the runtime's drafters
 
 
 def one_class_per_draft_kind(classes, what: str) -> dict[str, type]:
@@ -119,6 +119,8 @@ class ModelSpec:
     num_heads: int | None = None
     parameters: int = 0
     head_vocab: int | None = None  # a restricted head: logits of other tokens are -inf
+    # an EAGLE-3 head: its logits cover this many draft ids (the draft entry's vocab_map maps them to target ids)
+    draft_vocab: int | None = None
     inputs: dict = field(default_factory=dict)  # graph input name -> shape (symbols T, L)
     outputs: dict = field(default_factory=dict)
     kv_aliases: dict = field(default_factory=dict)  # present output -> the past input it writes in place
@@ -173,6 +175,7 @@ class ModelSpec:
             num_heads=_take(d, "num_heads", int, where, optional=True),
             parameters=_take(d, "parameters", int, where, optional=True) or 0,
             head_vocab=_take(d, "head_vocab", int, where, optional=True),
+            draft_vocab=_take(d, "draft_vocab", int, where, optional=True),
             inputs=_take(d, "inputs", dict, where, optional=True) or {},
             outputs=_take(d, "outputs", dict, where, optional=True) or {},
             kv_aliases=_take(d, "kv_aliases", dict, where, optional=True) or {},
@@ -193,10 +196,29 @@ class ModelSpec:
             "sliding_window": self.sliding_window, "parameters": self.parameters, "inputs": self.inputs,
             "outputs": self.outputs, "kv_aliases": self.kv_aliases, "attention": self.attention,
         }
-        for key in ("head_vocab", "quantization", "parity", "trt"):
+        for key in ("head_vocab", "draft_vocab", "quantization", "parity", "trt"):
             if getattr(self, key) is not None:
                 d[key] = getattr(self, key)
         return d
+
+    @property
+    def logits_width(self) -> int:
+        """The logits' last dimension: the draft vocabulary of an EAGLE-3 head, else the vocabulary."""
+        return self.draft_vocab or self.vocab_size
+
+    @property
+    def feature_inputs(self) -> dict[str, int]:
+        """The hidden states the graph takes beyond the contract's tensors: name -> width."""
+        from .graph_io import FEATURE_INPUTS
+
+        return {name: int(self.inputs[name][-1]) for name in FEATURE_INPUTS if name in self.inputs}
+
+    @property
+    def feature_outputs(self) -> dict[str, int]:
+        """The hidden states the graph returns beyond logits and K/V: name -> width."""
+        from .graph_io import FEATURE_OUTPUTS
+
+        return {name: int(self.outputs[name][-1]) for name in FEATURE_OUTPUTS if name in self.outputs}
 
     def kv_bytes(self, max_seq: int) -> int:
         """What the KV buffers of this graph take: 2 per layer, [1, Hkv, max_seq, D]."""
@@ -215,7 +237,9 @@ class DraftEntry:
     layers: int | None = None  # self: the target's first N layers (None: all of them)
     dtype: str | None = None  # self: the draft's weights when not the target's (a quantized self-draft)
     source: str | None = None  # model: the draft as given at export
-    distilled: dict | None = None  # model: how `specdeploy distill` made it
+    distilled: dict | None = None  # model, eagle3: how `specdeploy distill` made it
+    aux_layers: list[int] | None = None  # eagle3: the target layers whose input states the head reads
+    vocab_map: str | None = None  # eagle3: the .npy file (int64 [draft vocab]) of each draft id's target id
     max_ngram: int | None = None  # ngram, suffix: the longest and shortest n-grams looked up
     min_ngram: int | None = None
 
@@ -234,7 +258,16 @@ class DraftEntry:
             distilled=_take(d, "distilled", dict, where, optional=True),
             max_ngram=_take(d, "max_ngram", int, where, optional=True),
             min_ngram=_take(d, "min_ngram", int, where, optional=True),
+            aux_layers=_take(d, "aux_layers", list, where, optional=True),
+            vocab_map=_take(d, "vocab_map", str, where, optional=True),
         )
+        if entry.vocab_map is not None:
+            bundle_file_name(entry.vocab_map, f"{where}.vocab_map")
+        if entry.aux_layers is not None and not all(
+                isinstance(i, int) and not isinstance(i, bool) and 0 <= i < MOST["num_layers"] for i in entry.aux_layers):
+            raise BundleError(f"{where}: field 'aux_layers' must be layer indices, got {entry.aux_layers!r:.60}")
+        if kind == "eagle3" and (entry.vocab_map is None or not entry.aux_layers):
+            raise BundleError(f"{where}: an eagle3 draft needs 'aux_layers' and 'vocab_map'")
         if entry.layers is not None:
             _positive(entry.layers, "layers", where, MOST["num_layers"])
         for key in ("max_ngram", "min_ngram"):
@@ -337,6 +370,7 @@ class Manifest:
         # Every file the runtime opens is one whose checksum the manifest records.
         opened = [manifest.tokenizer.file] + [m.graph for m in manifest.models.values()]
         opened += [m.trt["plan"] for m in manifest.models.values() if m.trt]
+        opened += [manifest.draft.vocab_map] if manifest.draft.vocab_map else []
         for name in opened:
             if name not in manifest.files:
                 raise BundleError(f"{where}: {name} is used but not listed in 'files' (no checksum): re-export the bundle")
@@ -345,7 +379,7 @@ class Manifest:
     def check_consistent(self, where: str) -> None:
         """Fields that contradict each other are a one-line error, never a guess."""
         target = self.models["target"]
-        graph_draft = self.draft.kind in ("model", "self")  # the kinds whose drafter runs a graph of the bundle
+        graph_draft = self.draft.kind in ("model", "self", "eagle3")  # the kinds whose drafter runs a graph of the bundle
         if graph_draft != ("draft" in self.models):
             has = "has" if "draft" in self.models else "has no"
             raise BundleError(f"{where}: draft kind {self.draft.kind!r} but models {has} 'draft' entry")
@@ -357,6 +391,19 @@ class Manifest:
                                   f"[1, {self.max_seq}] (max_seq)")
         if self.draft.kind == "self" and self.draft.layers is not None and self.draft.layers > target.num_layers:
             raise BundleError(f"{where}: draft layers {self.draft.layers} is above the target's {target.num_layers}")
+        if self.draft.kind == "eagle3":
+            from .graph_io import AUX_HIDDEN
+
+            head = self.models["draft"]
+            if AUX_HIDDEN not in target.feature_outputs or AUX_HIDDEN not in head.feature_inputs or not head.draft_vocab:
+                raise BundleError(f"{where}: an eagle3 draft needs a target that returns {AUX_HIDDEN} and a head that "
+                                  "takes it (re-export the bundle)")
+            if target.feature_outputs[AUX_HIDDEN] != head.feature_inputs[AUX_HIDDEN]:
+                raise BundleError(f"{where}: the target returns {AUX_HIDDEN} {target.feature_outputs[AUX_HIDDEN]} wide, "
+                                  f"the head takes {head.feature_inputs[AUX_HIDDEN]}")
+            if self.draft.aux_layers and any(i >= target.num_layers for i in self.draft.aux_layers):
+                raise BundleError(f"{where}: draft aux_layers {self.draft.aux_layers} reach past the target's "
+                                  f"{target.num_layers} layers")
         bad = [i for i in self.tokenizer.eos_token_ids if i >= target.vocab_size]
         if bad:
             raise BundleError(f"{where}: tokenizer eos_token_ids {bad[0]} is outside the vocabulary [0, {target.vocab_size})")

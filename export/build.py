@@ -23,7 +23,7 @@ from typing import Callable
 import torch
 
 from specdeploy.core.errors import BundleError, ExportError
-from specdeploy.core.graph_io import LOGITS_ROWS, graph_facts, io_names, kv_names
+from specdeploy.core.graph_io import AUX_HIDDEN, LOGITS_ROWS, graph_facts, io_names, kv_names
 from specdeploy.core.choices import DEVICE_DTYPE, DEVICES, DTYPES, KV_DTYPE, QUANT_SCHEMES
 from specdeploy.core.manifest import ATTENTIONS, FORMAT, MANIFEST, Manifest, ModelSpec, TokenizerEntry, checksums, file_sizes, not_exact_line, write_manifest
 
@@ -161,9 +161,18 @@ def check_layer_windows(cfg, max_seq: int, max_draft: int, what: str) -> None:
                               "choose a smaller --max-draft")
 
 
+def feature_shapes(graph) -> tuple[dict, dict]:
+    """The manifest's shapes of a graph's hidden-state inputs and outputs (core/graph_io.py
+    FEATURE_INPUTS, FEATURE_OUTPUTS): a target's come for every row (T), a head's for the rows
+    whose logits it returns (R)."""
+    outputs = {name: ["1", "T" if name == AUX_HIDDEN else "R", width] for name, width in graph.feature_outputs.items()}
+    return {name: ["1", "T", width] for name, width in graph.feature_inputs.items()}, outputs
+
+
 def model_entry(graph: SpecGraph, source: Source, role: str, graph_file: str, dtype: str, max_seq: int) -> ModelSpec:
     cfg = source.config
     inputs, outputs = io_names(graph.num_layers)
+    feature_in, feature_out = feature_shapes(graph)
     kv_inputs = [name for name, _ in kv_names(graph.num_layers)]
     kv_shape = [1, graph.num_kv_heads, max_seq, graph.head_dim]
     return ModelSpec(
@@ -190,8 +199,9 @@ def model_entry(graph: SpecGraph, source: Source, role: str, graph_file: str, dt
             "attention_mask": ["1", "1", "T", "L"],
             **{name: kv_shape for name in kv_inputs},
             LOGITS_ROWS: ["R"],
+            **feature_in,
         },
-        outputs={"logits": ["1", "R", cfg.vocab_size], **{name: kv_shape for name in outputs[1:]}},
+        outputs={"logits": ["1", "R", cfg.vocab_size], **{name: kv_shape for name in outputs[1:]}, **feature_out},
         kv_aliases={o: i for i, o in zip(kv_inputs, outputs[1:])},
         # a restricted head: logits of other tokens are -inf
         head_vocab=int(graph.head_vocab.shape[0]) if graph.head_vocab is not None else None,
@@ -260,11 +270,12 @@ def quantization_lines(record: dict | None) -> list[str]:
 
 
 def source_graph(source: Source, dtype: str, num_layers: int | None = None, quant_scheme: str = "exact",
-                 zero: str | None = None) -> SpecGraph:
+                 zero: str | None = None, aux_layers: tuple[int, ...] | None = None) -> SpecGraph:
     """The graph of `source` at `dtype`; int8/int4 quantize a copy as `quant_scheme` says
     (the source stays float, so a target and its draft may differ in dtype and scheme);
     `zero` overrides the scheme's 4-bit form of weights quantized here ("none": symmetric,
-    what TensorRT's weight-only int4 takes)."""
+    what TensorRT's weight-only int4 takes); `aux_layers`: the graph also returns the states
+    entering these layers (a target with an EAGLE-3 head)."""
     record = None
     vocab = source.head_vocab
     model = copy.deepcopy(source.model) if dtype in SCHEMES or vocab else source.model
@@ -275,17 +286,17 @@ def source_graph(source: Source, dtype: str, num_layers: int | None = None, quan
         record = quantize_model(model, dtype, gguf, num_layers, quant_scheme, **({"zero": zero} if zero else {}))
     else:
         model = model.to(TORCH_DTYPE[dtype])
-    graph = SpecGraph(model, num_layers, head_vocab=vocab).eval()
+    graph = SpecGraph(model, num_layers, head_vocab=vocab, aux_layers=aux_layers).eval()
     for name in set(graph.rope_of_layer):  # RoPE angles stay in fp32 whatever the weights
         setattr(graph, name, getattr(graph, name).float())
     graph.quantization = record
     return graph
 
 
-def rebuild_graph(spec: ModelSpec) -> SpecGraph:
+def rebuild_graph(spec: ModelSpec, aux_layers: tuple[int, ...] | None = None) -> SpecGraph:
     """The module a bundle's graph was exported from, rebuilt from the source model its
     manifest entry names (what the torch backend runs); a source that changed since export
-    (another parameter count) is an error."""
+    (another parameter count) is an error. `aux_layers`: the target of an EAGLE-3 bundle."""
     if spec.source is None or not Path(spec.source).exists():
         raise BundleError(
             f"the torch backend rebuilds the {spec.role} from its source model: {spec.source}: "
@@ -301,7 +312,8 @@ def rebuild_graph(spec: ModelSpec) -> SpecGraph:
     except ExportError as e:
         raise BundleError(f"the torch backend rebuilds the {spec.role} from its source model: {e}") from None
     record = spec.quantization or {}
-    graph = source_graph(source, spec.dtype, spec.num_layers, record.get("quant_scheme", "exact"), record.get("zero"))
+    graph = source_graph(source, spec.dtype, spec.num_layers, record.get("quant_scheme", "exact"), record.get("zero"),
+                         aux_layers)
     count = sum(p.numel() for p in graph.parameters())
     if count != spec.parameters:
         raise BundleError(
@@ -401,7 +413,11 @@ def build_bundle(
         common = dict(work=work, max_seq=max_seq, max_draft=max_draft, prefill_chunk=prefill_chunk, log=log)
 
         def export_model(source: Source, model_dtype: str, role: str = "draft", num_layers: int | None = None,
-                         full_model: bool = True) -> ModelSpec:
+                         full_model: bool = True, head=None) -> ModelSpec:
+            if head is not None:  # an EAGLE-3 head: its own graph over the target's states
+                from .eagle3_export import export_head
+
+                return export_head(head, target_source, model_dtype, device=device, **common)
             if role == "target":
                 model_attention, scheme = attention, quant_scheme
             else:
@@ -419,7 +435,8 @@ def build_bundle(
                 model_attention = "exact"  # a draft's default, where the family has no fused graph
             check_export(source.config, model_dtype, model_attention, str(source.path))
             check_layer_windows(source.config, max_seq, max_draft, str(source.path))
-            graph = source_graph(source, model_dtype, num_layers, scheme, "none" if device == "tensorrt" else None)
+            graph = source_graph(source, model_dtype, num_layers, scheme, "none" if device == "tensorrt" else None,
+                                 getattr(recipe, "aux_layers", None) if role == "target" else None)
             return _export_model(graph, source, role=role, dtype=model_dtype, attention=model_attention,
                                  full_model=full_model, device=device, **common)
 

@@ -17,13 +17,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Protocol
+from typing import TYPE_CHECKING, Callable, Protocol
 
 from specdeploy.core.errors import ExportError
 from specdeploy.core.choices import DTYPES
 from specdeploy.core.manifest import DraftEntry, ModelSpec, one_class_per_draft_kind
 
 from .load import Source, load_source, same_tokenizer
+
+if TYPE_CHECKING:
+    from .eagle3 import Head
 
 # export one graph: (graph, source, role, dtype, full_model) -> its manifest entry (build.py)
 ExportModel = Callable[..., ModelSpec]
@@ -174,7 +177,45 @@ class ModelDraft:
         return DraftEntry("model", source=str(self.path.resolve()), distilled=record)
 
 
-RECIPES: tuple[type, ...] = (NoDraft, NgramDraft, SuffixDraft, SelfDraft, ModelDraft)  # asked in order; a path last
+@dataclass
+class Eagle3Draft:
+    """An EAGLE-3 head (a folder in the published layout, export/eagle3.py): one layer over the
+    target's own hidden states. The target's graph then also returns the states of the
+    layers the head reads."""
+
+    kind = "eagle3"
+    path: Path
+    head: "Head | None" = field(default=None, repr=False)
+
+    @classmethod
+    def parse(cls, text: str) -> "Eagle3Draft | None":
+        from .eagle3 import is_head_folder
+
+        return cls(Path(text)) if is_head_folder(Path(text)) else None
+
+    @property
+    def aux_layers(self) -> tuple[int, ...]:
+        return self.head.layers
+
+    def prepare(self, target: Source, log: Callable[[str], None]) -> None:
+        from .eagle3 import load_head
+
+        log(f"loading EAGLE-3 head {self.path}")
+        self.head = load_head(self.path, target.config)
+
+    def export(self, target: Source, dtype: str, export_model: ExportModel) -> ModelSpec:
+        return export_model(target, dtype, head=self.head)
+
+    def entry(self) -> DraftEntry:
+        from .eagle3_export import VOCAB_MAP
+
+        distilled = self.head.distilled if self.head is not None else None
+        record = {k: v for k, v in distilled.items() if k not in ("vocab", "curve")} if distilled else None
+        return DraftEntry("eagle3", source=str(self.path.resolve()), distilled=record,
+                          aux_layers=list(self.head.layers), vocab_map=VOCAB_MAP)
+
+
+RECIPES: tuple[type, ...] = (NoDraft, NgramDraft, SuffixDraft, SelfDraft, Eagle3Draft, ModelDraft)  # asked in order; a path last
 one_class_per_draft_kind(RECIPES, "export's draft recipes")  # one recipe per kind of DRAFT_KINDS
 
 

@@ -131,7 +131,7 @@ class SpecGraph(nn.Module):
 
     def __init__(
         self, hf_model: nn.Module, num_layers: int | None = None, inplace: bool = False,
-        head_vocab: list[int] | None = None,
+        head_vocab: list[int] | None = None, aux_layers: tuple[int, ...] | None = None,
     ):
         super().__init__()
         cfg = hf_model.config
@@ -185,6 +185,11 @@ class SpecGraph(nn.Module):
         # A buffer, so `.to(device)` moves it with the weights (a copy inside a pass would not capture).
         self.register_buffer("head_vocab", None if head_vocab is None else torch.tensor(head_vocab, dtype=torch.long),
                              persistent=False)
+        # A target exported for an EAGLE-3 head also returns, for every row, the states at the
+        # inputs of these layers side by side (core/graph_io.py AUX_HIDDEN), in float32.
+        self.aux_layers = tuple(sorted(aux_layers)) if aux_layers else ()
+        self.feature_inputs: dict[str, int] = {}
+        self.feature_outputs = {"aux_hidden_states": len(self.aux_layers) * cfg.hidden_size} if self.aux_layers else {}
 
     def use_contrib_ops(self, positions: int, fused: bool = False) -> None:
         """Spell RoPE as ONNX Runtime's RotaryEmbedding (one node for what is otherwise about
@@ -302,10 +307,12 @@ class SpecGraph(nn.Module):
         for window in dict.fromkeys(w for w in self.windows if w is not None):
             masks[window] = self._window_mask(mask, position_ids, window)
         norms = self.arch.norms
-        presents = []
+        presents, aux = [], []
         delta = None  # the last block's output, not yet added to the residual stream h
         for i, layer in enumerate(self.layers):
             x, h = self._norm(getattr(layer, norms.attention_in), h, delta)
+            if i in self.aux_layers:  # the state entering layer i (Hugging Face's hidden_states[i])
+                aux.append(h.float())
             cos, sin = ropes.get(self.rope_of_layer[i], (None, None))
             out, key_cache, value_cache = self._attention(
                 i, layer.self_attn, x, position_ids, write_indices, attention_mask, masks[self.windows[i]], cos, sin,
@@ -330,4 +337,6 @@ class SpecGraph(nn.Module):
             r = logits.shape[1]
             full = logits.new_full((b, r, self.vocab_size), float("-inf"))
             logits = full.scatter(-1, self.head_vocab.expand(b, r, -1), logits)
+        if aux:
+            return (logits, *presents, torch.cat(aux, dim=-1))
         return (logits, *presents)

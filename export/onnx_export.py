@@ -68,6 +68,7 @@ def export_onnx(graph: SpecGraph, path: Path, max_seq: int, kv_dtype: torch.dtyp
         torch.zeros((1, 1, t, t), dtype=torch.float32),
         kv_buffers(graph, max_seq, kv_dtype),
         torch.tensor([0, 2]),  # logits_rows: R = 2 of T = 3, so that the exporter ties neither to the other
+        *(torch.zeros((1, t, width)) for width in graph.feature_inputs.values()),  # an EAGLE-3 head's states
     )
     dim_t = torch.export.Dim("T", min=1, max=max_seq)
     dim_l = torch.export.Dim("L", min=1, max=max_seq)
@@ -79,8 +80,9 @@ def export_onnx(graph: SpecGraph, path: Path, max_seq: int, kv_dtype: torch.dtyp
         "attention_mask": {2: dim_t, 3: dim_l},
         "past": [None] * (2 * graph.num_layers),
         "logits_rows": {0: dim_r},
+        **{name: {1: dim_t} for name in graph.feature_inputs},
     }
-    inputs, outputs = io_names(graph.num_layers)
+    inputs, outputs = io_names(graph.num_layers, True, tuple(graph.feature_inputs), tuple(graph.feature_outputs))
     with warnings.catch_warnings(), _quiet_exporter():
         warnings.simplefilter("ignore")
         program = torch.onnx.export(
@@ -242,13 +244,16 @@ def check_parity(
                 chunk = ids[start : start + t]
                 last = t > 1 and i % 2 == 1  # every other pass of several tokens asks for its last row only
                 mask = torch.from_numpy(attention_mask(start, t, spec.sliding_window))
-                want = graph(
+                outputs = graph(
                     torch.from_numpy(chunk)[None], torch.arange(start, start + t)[None], torch.tensor([start]), mask, past
-                )[0][0].float().numpy()
+                )
+                want = outputs[0][0].float().numpy()
                 eager_rows.append(want)
                 if engine is None:
                     continue
                 got = engine.forward(chunk, start, last=last).copy()
+                if engine.features is not None:  # a target for an EAGLE-3 head: the states it returns, every row
+                    worst_ort = max(worst_ort, _rel_diff(engine.features[start : start + t], outputs[-1][0].numpy()))
                 if got.shape[0] != (1 if last else t):
                     raise ExportError(f"{onnx_path.name}: a pass of {t} tokens asked for {1 if last else t} logit rows "
                                       f"and returned {got.shape[0]}")

@@ -104,3 +104,51 @@ FAMILY_DEFAULTS = {
     "gemma3_text": dict(head_dim=24, query_pre_attn_scalar=20, sliding_window=24, sliding_window_pattern=2,
                         rope_theta=40000.0, rope_local_base_freq=1000.0, hidden_activation="gelu_pytorch_tanh"),
 }
+
+
+def make_eagle3_head(folder: Path, target: Path, draft_vocab: int = 96, seed: int = 0, layers: list[int] | None = None,
+                     weights: str = "model.safetensors", scale: float = 0.08, **config):
+    """A random EAGLE-3 head for the tiny model folder `target`, in the published layout:
+    config.json (LlamaForCausalLMEagle3) and its weights, d2t over a random draft vocabulary."""
+    import json
+
+    import torch
+    from transformers import AutoConfig
+
+    t = AutoConfig.from_pretrained(target)
+    h, heads, kv = t.hidden_size, t.num_attention_heads, t.num_key_value_heads
+    d = getattr(t, "head_dim", None) or h // heads
+    cfg = {
+        "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "num_hidden_layers": 1,
+        "hidden_size": h, "num_attention_heads": heads, "num_key_value_heads": kv, "head_dim": d,
+        "intermediate_size": t.intermediate_size, "vocab_size": t.vocab_size, "draft_vocab_size": draft_vocab,
+        "rms_norm_eps": 1e-6, "rope_theta": getattr(t, "rope_theta", 10000.0), "max_position_embeddings": 512,
+        "hidden_act": "silu", "tie_word_embeddings": False,
+    }
+    if layers is not None:
+        cfg["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": layers}
+    cfg.update(config)
+    g = torch.Generator().manual_seed(seed)
+    rand = lambda *shape: torch.randn(*shape, generator=g) * scale  # noqa: E731
+    v = cfg["vocab_size"]
+    ids = torch.randperm(v, generator=g)[:draft_vocab].sort().values
+    tensors = {
+        "fc.weight": rand(h, 3 * h),
+        "midlayer.hidden_norm.weight": 1 + rand(h), "midlayer.input_layernorm.weight": 1 + rand(h),
+        "midlayer.post_attention_layernorm.weight": 1 + rand(h),
+        "midlayer.self_attn.q_proj.weight": rand(heads * d, 2 * h), "midlayer.self_attn.k_proj.weight": rand(kv * d, 2 * h),
+        "midlayer.self_attn.v_proj.weight": rand(kv * d, 2 * h), "midlayer.self_attn.o_proj.weight": rand(h, heads * d),
+        "midlayer.mlp.gate_proj.weight": rand(t.intermediate_size, h), "midlayer.mlp.up_proj.weight": rand(t.intermediate_size, h),
+        "midlayer.mlp.down_proj.weight": rand(h, t.intermediate_size),
+        "norm.weight": 1 + rand(h), "lm_head.weight": rand(draft_vocab, h) * 10,
+        "d2t": ids - torch.arange(draft_vocab), "t2d": torch.zeros(v, dtype=torch.bool).index_fill_(0, ids, True),
+    }
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(cfg, indent=1))
+    if weights.endswith(".safetensors"):
+        from safetensors.torch import save_file
+
+        save_file(tensors, str(folder / weights))
+    else:
+        torch.save(tensors, folder / weights)
+    return folder

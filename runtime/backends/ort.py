@@ -32,7 +32,7 @@ import numpy as np
 import onnxruntime as ort
 
 from specdeploy.core.errors import BundleError, InputError
-from specdeploy.core.graph_io import GRAPH_FACTS, LOGITS_ROWS, check_pass, fill_mask, fill_tree_mask, graph_facts, io_names, window_length
+from specdeploy.core.graph_io import AUX_HIDDEN, GRAPH_FACTS, LOGITS_ROWS, check_pass, fill_mask, fill_tree_mask, graph_facts, io_names, window_length
 from specdeploy.core.choices import DTYPES, FLOAT_DTYPES, NUMPY_DTYPES
 from specdeploy.core.manifest import ModelSpec
 from specdeploy.runtime.decoding.tree import TreeLayout
@@ -334,7 +334,7 @@ def _load(graph_path: Path, spec: ModelSpec, max_seq: int, threads: int | None, 
             raise DeviceError(f"{graph_path.name}: {placement.provider} did not load (ONNX Runtime would run this graph "
                               f"on {', '.join(got)}); {CUDA_LIBRARIES}")
         break
-    inputs, outputs = io_names(spec.num_layers, spec.logits_rows)
+    inputs, outputs = io_names(spec.num_layers, spec.logits_rows, tuple(spec.feature_inputs), tuple(spec.feature_outputs))
     have = ({i.name for i in session.get_inputs()}, {o.name for o in session.get_outputs()})
     if have != (set(inputs), set(outputs)):
         missing = sorted((set(inputs) - have[0]) | (set(outputs) - have[1]))
@@ -356,7 +356,7 @@ def _load(graph_path: Path, spec: ModelSpec, max_seq: int, threads: int | None, 
     kv = [None, spec.num_kv_heads, max_seq, spec.head_dim]
     for value in session.get_inputs() + session.get_outputs():
         want, fields = ((kv, "num_kv_heads, max_seq, head_dim") if value.name.startswith(("past_", "present_"))
-                        else ([None, None, spec.vocab_size], "vocab_size") if value.name == "logits" else (None, ""))
+                        else ([None, None, spec.logits_width], "vocab_size") if value.name == "logits" else (None, ""))
         got = [d if isinstance(d, int) else None for d in value.shape]
         if want is not None and [w if w is None else g for w, g in zip(want, got)] + got[len(want):] != want:
             raise BundleError(f"{graph_path}: {value.name} is {value.shape} in the graph but the manifest's "
@@ -389,10 +389,18 @@ class _Stage:
     INPUTS = (("input_ids", np.int64), ("position_ids", np.int64), ("write_indices", np.int64),
               ("attention_mask", np.float32), (LOGITS_ROWS, np.int64))
 
-    def __init__(self, t: int, max_seq: int, vocab_size: int, device: Device, logits_rows: bool = True):
+    def __init__(self, t: int, max_seq: int, vocab_size: int, device: Device, logits_rows: bool = True,
+                 features_in: dict[str, int] | None = None, features_out: dict[str, int] | None = None):
         """`logits_rows`: the graph takes the rows whose logits it returns (0..T-1, written
-        once: a pass that wants only its last binds the last of them)."""
+        once: a pass that wants only its last binds the last of them). `features_in`,
+        `features_out` (CPU only): an EAGLE-3 head's hidden-state inputs and outputs, name ->
+        width, each [1, T, width] here (a target's AUX_HIDDEN is bound by the engine instead)."""
         self.t, self.device, self.takes_rows = t, device, logits_rows
+        self.features_in = {name: np.zeros((1, t, w), np.float32) for name, w in (features_in or {}).items()}
+        self.zeroed = {name: True for name in self.features_in}  # holds zeros: a pass without it leaves it
+        self.features_out = {name: np.zeros((1, t, w), np.float32) for name, w in (features_out or {}).items()
+                             if name != AUX_HIDDEN}
+        self.feature_values = {name: ort.OrtValue.ortvalue_from_numpy(a) for name, a in self.features_in.items()}
         self.offsets, self.host_views, at = {}, {}, 0
         sizes = {"input_ids": t, "position_ids": t, "write_indices": 1, "attention_mask": t * max_seq, LOGITS_ROWS: t}
         for name, dtype in self.INPUTS:
@@ -455,6 +463,11 @@ class _Stage:
         t = self.t
         for name, shape in (("input_ids", [1, t]), ("position_ids", [1, t]), ("write_indices", [1])):
             self._bind_input(binding, name, np.int64, shape)
+        for name, value in self.feature_values.items():
+            binding.bind_ortvalue_input(name, value)
+        for name, array in self.features_out.items():
+            shape = [1, 1 if last else t, array.shape[2]]
+            binding.bind_output(name, "cpu", 0, np.float32, shape, array.ctypes.data)
         if not self.takes_rows:
             binding.bind_ortvalue_output("logits", self.logits)
             return
@@ -529,6 +542,16 @@ class OrtEngine:
         self.captured_runs = 0
         self.uncaptured_runs = 0
         self.trees = tree_capable(spec, placement)
+        # An EAGLE-3 bundle's hidden states (core/graph_io.py): a target writes each pass's
+        # AUX_HIDDEN rows into `features` at their positions; a head's inputs are staged per pass
+        # and its outputs read from `outputs` (the last pass's rows).
+        self.feature_inputs, self.feature_outputs = spec.feature_inputs, spec.feature_outputs
+        if (self.feature_inputs or self.feature_outputs) and placement.device.kind != "cpu":
+            raise InputError(f"{self.name}: an EAGLE-3 bundle runs on ONNX Runtime's CPU provider (or --backend torch); "
+                             f"not on {placement.device} yet")
+        width = self.feature_outputs.get(AUX_HIDDEN)
+        self.features = np.zeros((max_seq, width), np.float32) if width else None
+        self.outputs: dict[str, np.ndarray] = {}
 
     @classmethod
     def from_bundle(cls, bundle, spec: ModelSpec, threads: int | None = None, device: "str | Device | None" = None,
@@ -565,7 +588,7 @@ class OrtEngine:
         return list(self._graphs)
 
     def forward(self, token_ids: np.ndarray, start: int, tree: "TreeLayout | None" = None,
-                last: bool = False) -> np.ndarray:
+                last: bool = False, features: "dict[str, np.ndarray | None] | None" = None) -> np.ndarray:
         """token_ids [T] at positions start..start+T-1 -> logits [T, V]; with `tree` (engines
         whose `trees` is True), a tree pass: the tokens written at slots start..start+T-1, each
         at position start + its depth, seeing the context and its ancestors. `last`: the caller
@@ -574,7 +597,8 @@ class OrtEngine:
         and the result may then be [1, V]; read it as `[-1]`.
 
         The returned array is this engine's buffer for T (on a GPU, its host copy): valid until
-        the next pass of the same T.
+        the next pass of the same T. `features` (an EAGLE-3 head): its hidden-state inputs,
+        name -> [T, width] (left out or None: zeros).
         """
         self.runs += 1
         token_ids = np.asarray(token_ids, dtype=np.int64)
@@ -585,9 +609,20 @@ class OrtEngine:
         window = window_length(start, t, MIN_WINDOW if captured else None, self.max_seq)
         stage = self._stages.get(t)
         if stage is None:  # allocated once per T, on the first pass of that length
-            stage = self._stages[t] = _Stage(t, self.max_seq, self.vocab_size, self.placement.device, self._takes_rows)
+            stage = self._stages[t] = _Stage(t, self.max_seq, self.spec.logits_width, self.placement.device,
+                                             self._takes_rows, self.feature_inputs, self.feature_outputs)
         stage.stage(token_ids, start, window, self.spec.sliding_window, tree)
+        for name, array in stage.features_in.items():
+            given = features.get(name) if features else None
+            if given is not None:
+                array[0] = given
+            elif not stage.zeroed[name]:
+                array.fill(0.0)
+            stage.zeroed[name] = given is None
         binding, run_options = self._graph(stage, window) if captured else self._rebind(stage, window, last)
+        if self.features is not None:  # this pass's rows of the target's states, at their positions
+            binding.bind_output(AUX_HIDDEN, "cpu", 0, np.float32, [1, t, self.features.shape[1]],
+                                self.features[start].ctypes.data)
         if not stage.on_host:
             binding.synchronize_inputs()  # update_inplace copied from pageable memory: the device has it before the run
         try:
@@ -598,6 +633,8 @@ class OrtEngine:
         except RuntimeError as e:  # onnxruntime's run errors: the graph and the manifest disagree, or the device failed
             raise BundleError(f"{self.name}: ONNX Runtime failed a pass of {t} tokens at {start} "
                               f"({_reason(e)})") from None
+        for name, array in stage.features_out.items():
+            self.outputs[name] = array[0, : 1 if last else t]
         return stage.read_logits(last)
 
     def move_kv(self, source: np.ndarray, start: int) -> None:

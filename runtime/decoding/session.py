@@ -193,6 +193,7 @@ class Session:
         self.choice = choice
         self.target = make_engine(choice, b, b.model("target"), threads)
         self.drafter = make_drafter(b, choice, threads)  # the drafters pass the choice on to make_engine
+        _attach(self.drafter, self.target)
         self.eos_token_ids = self.tokenizer.eos_token_ids
         self._auto: DraftLength | None = None  # the last greedy `auto` policy: the next one starts from it
         self._auto_tree: TreeSize | None = None
@@ -206,6 +207,7 @@ class Session:
         twin.target = self.target.fork()
         twin.cache = PromptCache(self.bundle.max_seq) if self.cache is not None else None
         twin.drafter = self.drafter.fork() if self.drafter is not None else None
+        _attach(twin.drafter, twin.target)
         twin.eos_token_ids = list(self.eos_token_ids)
         twin._auto = None
         twin._auto_tree = None
@@ -414,6 +416,13 @@ class Session:
             texts.append(piece.text)
             ids += piece.token_ids
         return Result("".join(texts), ids, gen.stats)
+
+
+def _attach(drafter, target) -> None:
+    """Give a drafter that reads the target's state (an EAGLE-3 head) its target engine."""
+    attach = getattr(drafter, "attach", None)
+    if attach is not None:
+        attach(target)
 
 
 def _as_ids(values) -> tuple[int, ...]:

@@ -12,6 +12,8 @@ adding it there, a class and a line here (and a recipe on the export side). The 
   verifier needs as the probs. The proposal also says what it cost (seconds, passes).
 - `fused_with(target)`: whether `propose_and_verify` can run the whole round on the device
   with one host synchronisation; it then returns the round's `Proposal` and `Checked`.
+- optional, `attach(target)`: a drafter that reads the target engine's state (an EAGLE-3 head
+  reads its hidden states) is given it once the session has made it, and again in a fork;
 - optional, a drafter that proposes token trees (runtime/tree.py): `propose_tree(ids, budget,
   max_depth) -> DraftTree`; `remember(ids)` when a generation ends (what it said, for later
   requests); `private`, set per request (draw only on the request's own text, keep none of it).
@@ -28,6 +30,7 @@ from specdeploy.core.manifest import Bundle, DraftEntry, one_class_per_draft_kin
 from specdeploy.runtime.backends import BackendChoice
 from specdeploy.runtime.decoding.engine import Checked, Engine
 from specdeploy.runtime.decoding.sampling import SamplingParams
+from specdeploy.runtime.decoding.drafters.eagle3 import Eagle3Drafter
 from specdeploy.runtime.decoding.drafters.model import ModelDrafter, SelfDrafter
 from specdeploy.runtime.decoding.drafters.ngram import NgramDrafter, lookup
 from specdeploy.runtime.decoding.drafters.proposal import Proposal
@@ -84,7 +87,7 @@ class NoDraft:
 
 
 DRAFTERS: dict[str, type] = one_class_per_draft_kind(
-    (ModelDrafter, SelfDrafter, NgramDrafter, SuffixDrafter, NoDraft), "the runtime's drafters")
+    (ModelDrafter, SelfDrafter, Eagle3Drafter, NgramDrafter, SuffixDrafter, NoDraft), "the runtime's drafters")
 
 
 def drafter_class(kind: str) -> type:
@@ -99,5 +102,5 @@ def make_drafter(bundle: Bundle, backend: BackendChoice | str, threads: int | No
     return drafter_class(bundle.draft_kind).from_bundle(bundle, backend, threads)
 
 
-__all__ = ["DRAFTERS", "Drafter", "ModelDrafter", "NgramDrafter", "NoDraft", "Proposal", "SelfDrafter",
+__all__ = ["DRAFTERS", "Drafter", "Eagle3Drafter", "ModelDrafter", "NgramDrafter", "NoDraft", "Proposal", "SelfDrafter",
            "SuffixDrafter", "SuffixIndex", "drafter_class", "lookup", "make_drafter"]

@@ -1,0 +1,457 @@
+"""EAGLE-3 draft heads (docs/drafters.md, "EAGLE-3 heads"): the published layout, checked
+against a target, as an eager reference (training, parity) and as a graph of the contract.
+
+A head is one decoder layer that reads the target's own hidden states:
+
+    fused     = fc([h_a | h_b | h_c])       the target's states at the inputs of three of its
+                                            layers, side by side (3H -> H), for a row the
+                                            target computed; or the head's own last output
+                                            (H) for a row it drafted itself
+    x         = [input_layernorm(embed(next token)) | hidden_norm(fused)]      2H wide
+    h         = fused + o_proj(attention(q, k, v of x; RoPE at the row's position))
+    out       = h + mlp(post_attention_layernorm(h))      fed back to the next draft step
+    logits    = lm_head(norm(out))                        over the draft vocabulary
+    target id = draft id + d2t[draft id]
+
+Row p of the head pairs the target's state at position p with the token at p + 1, and
+predicts the token at p + 2. The head has no embedding of its own: it reads the target's.
+
+The published folder: `config.json` (architectures ["LlamaForCausalLMEagle3"], the layer's
+sizes, `draft_vocab_size`, the target's rope settings, optionally
+`eagle_config.eagle_aux_hidden_state_layer_ids`) and `model.safetensors` or
+`pytorch_model.bin` with `fc.weight`, `midlayer.*`, `norm.weight`, `lm_head.weight`, `d2t`
+(int64 [draft vocab]) and `t2d` (bool [vocab]). Layer id i means the input of the target's
+layer i (Hugging Face's hidden_states[i]); the default ids are 2, N // 2 and N - 3, side by
+side in ascending order.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from specdeploy.core.errors import ExportError
+
+ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
+WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
+IGNORED = ("embed_tokens.weight",)  # some heads carry a copy of the target's embedding: the target's is used
+
+
+def is_head_folder(path: Path) -> bool:
+    """Whether `path` is a folder whose config names an EAGLE-3 head."""
+    config = Path(path) / "config.json"
+    if not config.is_file():
+        return False
+    try:
+        archs = json.loads(config.read_text()).get("architectures") or []
+    except (ValueError, OSError, AttributeError):
+        return False
+    return any(a in ARCHITECTURES for a in archs)
+
+
+def default_layers(n: int) -> tuple[int, ...]:
+    """The common choice of target layers, ascending: 2, N // 2 and N - 3 (a target of fewer
+    than 6 layers: whichever of them exist, distinct)."""
+    return tuple(sorted({i for i in (2, n // 2, n - 3) if 0 <= i < n}))
+
+
+@dataclass(frozen=True)
+class HeadConfig:
+    """What a head's config.json says, checked for type and range."""
+
+    hidden_size: int
+    target_hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    draft_vocab_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None
+    max_position_embeddings: int
+    hidden_act: str
+    aux_layers: tuple[int, ...] | None  # None: default_layers of the target
+    norm_before_residual: bool = False
+
+    @classmethod
+    def read(cls, folder: Path) -> "HeadConfig":
+        path = Path(folder) / "config.json"
+        try:
+            d = json.loads(path.read_text())
+        except (OSError, ValueError) as e:
+            raise ExportError(f"{path}: cannot read the head's config ({e})") from None
+
+        def number(key, kind=int, default=None):
+            value = d.get(key, default)
+            if value is None or isinstance(value, bool) or not isinstance(value, (int, float) if kind is float else int) \
+                    or value <= 0:
+                raise ExportError(f"{path}: '{key}' must be a positive {'number' if kind is float else 'integer'}, "
+                                  f"got {value!r:.40}")
+            return kind(value)
+
+        if d.get("num_hidden_layers", 1) != 1:
+            raise ExportError(f"{path}: num_hidden_layers {d.get('num_hidden_layers')!r}: an EAGLE-3 head has one layer")
+        hidden = number("hidden_size")
+        heads = number("num_attention_heads")
+        layers = (d.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids", d.get("eagle_aux_hidden_state_layer_ids"))
+        if layers is not None and (not isinstance(layers, list) or len(layers) != 3
+                                   or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in layers)):
+            raise ExportError(f"{path}: eagle_aux_hidden_state_layer_ids {layers!r:.60}: expected three layer ids")
+        rope_scaling = d.get("rope_scaling")
+        if rope_scaling is not None and not isinstance(rope_scaling, dict):
+            raise ExportError(f"{path}: rope_scaling {rope_scaling!r:.40} is not an object")
+        vocab = number("vocab_size")
+        return cls(
+            hidden_size=hidden,
+            target_hidden_size=number("target_hidden_size", default=hidden),
+            num_heads=heads,
+            num_kv_heads=number("num_key_value_heads", default=heads),
+            head_dim=number("head_dim", default=hidden // heads),
+            intermediate_size=number("intermediate_size"),
+            vocab_size=vocab,
+            draft_vocab_size=number("draft_vocab_size", default=vocab),
+            rms_norm_eps=number("rms_norm_eps", float, 1e-6),
+            rope_theta=number("rope_theta", float, 10000.0),
+            rope_scaling=rope_scaling,
+            max_position_embeddings=number("max_position_embeddings", default=2048),
+            hidden_act=str(d.get("hidden_act", "silu")),
+            aux_layers=tuple(sorted(layers)) if layers is not None else None,
+            norm_before_residual=bool(d.get("norm_before_residual", False)),
+        )
+
+    def llama_config(self):
+        """A LlamaConfig of the head's layer: its RoPE (scaling included) and MLP."""
+        from transformers import LlamaConfig
+
+        return LlamaConfig(hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
+                           num_attention_heads=self.num_heads, num_key_value_heads=self.num_kv_heads,
+                           head_dim=self.head_dim, num_hidden_layers=1, vocab_size=self.vocab_size,
+                           rms_norm_eps=self.rms_norm_eps, rope_theta=self.rope_theta, rope_scaling=self.rope_scaling,
+                           max_position_embeddings=self.max_position_embeddings, hidden_act=self.hidden_act)
+
+    def as_config(self, layers: tuple[int, ...]) -> dict:
+        """The published config.json of a head with these settings."""
+        return {
+            "architectures": [ARCHITECTURES[0]], "model_type": "llama", "num_hidden_layers": 1,
+            "hidden_size": self.hidden_size, "target_hidden_size": self.target_hidden_size,
+            "num_attention_heads": self.num_heads, "num_key_value_heads": self.num_kv_heads, "head_dim": self.head_dim,
+            "intermediate_size": self.intermediate_size, "vocab_size": self.vocab_size,
+            "draft_vocab_size": self.draft_vocab_size, "rms_norm_eps": self.rms_norm_eps, "rope_theta": self.rope_theta,
+            "rope_scaling": self.rope_scaling, "max_position_embeddings": self.max_position_embeddings,
+            "hidden_act": self.hidden_act, "norm_before_residual": self.norm_before_residual,
+            "tie_word_embeddings": False, "torch_dtype": "float32",
+            "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(layers)},
+        }
+
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        """Every tensor of the published layout and its shape."""
+        h, d = self.hidden_size, self.head_dim
+        return {
+            "fc.weight": (h, 3 * self.target_hidden_size),
+            "midlayer.hidden_norm.weight": (h,),
+            "midlayer.input_layernorm.weight": (h,),
+            "midlayer.post_attention_layernorm.weight": (h,),
+            "midlayer.self_attn.q_proj.weight": (self.num_heads * d, 2 * h),
+            "midlayer.self_attn.k_proj.weight": (self.num_kv_heads * d, 2 * h),
+            "midlayer.self_attn.v_proj.weight": (self.num_kv_heads * d, 2 * h),
+            "midlayer.self_attn.o_proj.weight": (h, self.num_heads * d),
+            "midlayer.mlp.gate_proj.weight": (self.intermediate_size, h),
+            "midlayer.mlp.up_proj.weight": (self.intermediate_size, h),
+            "midlayer.mlp.down_proj.weight": (h, self.intermediate_size),
+            "norm.weight": (h,),
+            "lm_head.weight": (self.draft_vocab_size, h),
+            "d2t": (self.draft_vocab_size,),
+            "t2d": (self.vocab_size,),
+        }
+
+
+def read_weights(folder: Path, cfg: HeadConfig) -> dict[str, torch.Tensor]:
+    """The head's tensors, every one present with the shape its config implies (a one-line
+    error names the first that is not); `d2t` and `t2d` may be left out by a head over the
+    whole vocabulary."""
+    folder = Path(folder)
+    found = [folder / name for name in WEIGHT_FILES if (folder / name).is_file()]
+    if not found:
+        raise ExportError(f"{folder}: no {' or '.join(WEIGHT_FILES)} (the head's weights)")
+    path = found[0]
+    try:
+        if path.suffix == ".safetensors":
+            from safetensors.torch import load_file
+
+            tensors = load_file(str(path))
+        else:
+            tensors = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # safetensors' and torch's own errors for a damaged file
+        raise ExportError(f"{path}: cannot read the head's weights ({str(e).splitlines()[0][:120]})") from None
+    shapes = cfg.shapes()
+    if cfg.draft_vocab_size == cfg.vocab_size:
+        tensors.setdefault("d2t", torch.zeros(cfg.vocab_size, dtype=torch.long))
+        tensors.setdefault("t2d", torch.ones(cfg.vocab_size, dtype=torch.bool))
+    for name, shape in shapes.items():
+        if name not in tensors:
+            raise ExportError(f"{path}: tensor {name!r} is missing (an EAGLE-3 head has {', '.join(shapes)})")
+        if tuple(tensors[name].shape) != shape:
+            raise ExportError(f"{path}: tensor {name!r} is {list(tensors[name].shape)}; the head's config makes it "
+                              f"{list(shape)}")
+    extra = sorted(set(tensors) - set(shapes) - set(IGNORED))
+    if extra:
+        raise ExportError(f"{path}: tensor {extra[0]!r} is not part of an EAGLE-3 head")
+    d2t = tensors["d2t"].long()
+    ids = torch.arange(cfg.draft_vocab_size) + d2t
+    if int(ids.min()) < 0 or int(ids.max()) >= cfg.vocab_size or ids.unique().numel() != ids.numel():
+        raise ExportError(f"{path}: tensor 'd2t' maps draft ids outside [0, {cfg.vocab_size}) or two onto one token")
+    return {name: tensors[name] for name in shapes}
+
+
+@dataclass
+class Head:
+    """A head as read from its folder, checked against a target."""
+
+    path: Path
+    config: HeadConfig
+    weights: dict[str, torch.Tensor]
+    layers: tuple[int, ...]  # the target layers it reads, ascending
+    distilled: dict | None = None  # made by `specdeploy distill --kind eagle3`: its record
+
+    @property
+    def target_ids(self) -> torch.Tensor:
+        """Each draft id's target id, int64 [draft vocab]."""
+        return torch.arange(self.config.draft_vocab_size) + self.weights["d2t"].long()
+
+
+def load_head(folder: Path, target_config) -> Head:
+    """Read a head and check it against the target it will draft for: hidden size,
+    vocabulary, layer ids, RoPE. Each mismatch is a one-line error naming both."""
+    folder = Path(folder)
+    cfg = HeadConfig.read(folder)
+    n = target_config.num_hidden_layers
+    where = f"EAGLE-3 head {folder}"
+    if cfg.target_hidden_size != target_config.hidden_size or cfg.hidden_size != target_config.hidden_size:
+        raise ExportError(f"{where}: hidden size {cfg.hidden_size} (target_hidden_size {cfg.target_hidden_size}); the "
+                          f"target's is {target_config.hidden_size}")
+    if cfg.vocab_size != target_config.vocab_size:
+        raise ExportError(f"{where}: vocab_size {cfg.vocab_size}; the target has {target_config.vocab_size} tokens")
+    layers = cfg.aux_layers if cfg.aux_layers is not None else default_layers(n)
+    if len(set(layers)) != 3 or max(layers) >= n:
+        raise ExportError(f"{where}: reads target layers {list(layers)}; expected three distinct layers of the "
+                          f"target's 0..{n - 1}")
+    theta = getattr(target_config, "rope_theta", None)
+    if theta is not None and abs(float(theta) - cfg.rope_theta) > 1e-6 * float(theta):
+        raise ExportError(f"{where}: rope_theta {cfg.rope_theta:g}; the target's is {float(theta):g}")
+    weights = read_weights(folder, cfg)
+    record = folder / "distill.json"
+    distilled = json.loads(record.read_text()) if record.is_file() else None
+    return Head(folder, cfg, weights, tuple(layers), distilled)
+
+
+# -- the eager reference, written from the published definition -----------------------------
+
+class _Attention(nn.Module):
+    def __init__(self, cfg: HeadConfig):
+        super().__init__()
+        h, d = cfg.hidden_size, cfg.head_dim
+        self.q_proj = nn.Linear(2 * h, cfg.num_heads * d, bias=False)
+        self.k_proj = nn.Linear(2 * h, cfg.num_kv_heads * d, bias=False)
+        self.v_proj = nn.Linear(2 * h, cfg.num_kv_heads * d, bias=False)
+        self.o_proj = nn.Linear(cfg.num_heads * d, h, bias=False)
+
+
+class _MidLayer(nn.Module):
+    def __init__(self, cfg: HeadConfig):
+        super().__init__()
+        from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm
+
+        self.hidden_norm = LlamaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.input_layernorm = LlamaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = LlamaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = _Attention(cfg)
+        self.mlp = LlamaMLP(cfg.llama_config())
+
+
+class Eagle3Head(nn.Module):
+    """The head as published (its state_dict is the published layout), with the target's
+    embedding beside it (frozen, not saved). `forward` is the reference: every row of a
+    sequence at once, over the earlier rows' K/V kept as tensors (`past`)."""
+
+    def __init__(self, cfg: HeadConfig, embed: nn.Module):
+        super().__init__()
+        from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding
+
+        self.cfg = cfg
+        self.fc = nn.Linear(3 * cfg.target_hidden_size, cfg.hidden_size, bias=False)
+        self.midlayer = _MidLayer(cfg)
+        self.norm = LlamaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
+        self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))
+        self.register_buffer("t2d", torch.ones(cfg.vocab_size, dtype=torch.bool))
+        self.rotary = LlamaRotaryEmbedding(cfg.llama_config())
+        self._embed = [embed]  # a list: not a submodule, so not in the state_dict
+
+    @classmethod
+    def from_head(cls, head: Head, embed: nn.Module) -> "Eagle3Head":
+        module = cls(head.config, embed)
+        module.load_state_dict(head.weights)
+        return module.eval()
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        return self._embed[0](ids)
+
+    def fuse(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The target's three states (3H wide) through fc; the head's own (H) as they are."""
+        return self.fc(hidden) if hidden.shape[-1] == self.fc.in_features else hidden
+
+    def project(self, ids: torch.Tensor, hidden: torch.Tensor, position_ids: torch.Tensor):
+        """-> (residual, q [B, heads, T, D], k, v [B, kv heads, T, D]), q and k rotated."""
+        from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+        layer, cfg = self.midlayer, self.cfg
+        fused = self.fuse(hidden)
+        if cfg.norm_before_residual:
+            fused = layer.hidden_norm(fused)
+            residual, normed = fused, fused
+        else:
+            residual, normed = fused, layer.hidden_norm(fused)
+        x = torch.cat([layer.input_layernorm(self.embed(ids)), normed], dim=-1)
+        b, t, _ = x.shape
+        attn = layer.self_attn
+        q = attn.q_proj(x).view(b, t, cfg.num_heads, cfg.head_dim).transpose(1, 2)
+        k = attn.k_proj(x).view(b, t, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2)
+        v = attn.v_proj(x).view(b, t, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2)
+        cos, sin = self.rotary(x, position_ids)
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        return residual, q, k, v
+
+    def attend(self, q, keys, values, bias) -> torch.Tensor:
+        """Softmax attention of q [B, heads, T, D] over keys/values [B, kv heads, S, D] under the
+        additive `bias` [B or 1, 1, T, S] -> [B, T, heads * D]."""
+        groups = self.cfg.num_heads // self.cfg.num_kv_heads
+        keys, values = keys.repeat_interleave(groups, 1), values.repeat_interleave(groups, 1)
+        scores = q @ keys.transpose(-1, -2) / self.cfg.head_dim**0.5 + bias
+        out = torch.softmax(scores.float(), -1).to(q.dtype) @ values
+        b, _, t, _ = q.shape
+        return out.transpose(1, 2).reshape(b, t, -1)
+
+    def finish(self, residual: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
+        """The rest of the layer: o_proj into the residual, then the MLP block -> the state fed back."""
+        layer = self.midlayer
+        h = residual + layer.self_attn.o_proj(attended)
+        return h + layer.mlp(layer.post_attention_layernorm(h))
+
+    def logits(self, out: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.norm(out)).float()
+
+    def forward(self, ids, hidden, position_ids, past=None):
+        """ids [B, T] (the token after each row's state), hidden [B, T, 3H or H], position_ids
+        [B, T]; past: (keys, values) of the rows before, or None -> (out [B, T, H], logits
+        [B, T, draft vocab], (keys, values) with these rows appended)."""
+        residual, q, k, v = self.project(ids, hidden, position_ids)
+        if past is not None:
+            k, v = torch.cat([past[0], k], 2), torch.cat([past[1], v], 2)
+        t, s = q.shape[2], k.shape[2]
+        bias = torch.full((t, s), float("-inf")).triu(s - t + 1)[None, None]
+        out = self.finish(residual, self.attend(q, k, v, bias))
+        return out, self.logits(out), (k, v)
+
+
+# -- the graph of the contract ------------------------------------------------------------------
+
+class Eagle3Graph(nn.Module):
+    """The head as a graph of the contract (export/graph.py), over one static KV buffer pair
+    written in place, with the hidden states beside the token inputs:
+
+        aux_hidden_states [1, T, 3H]  the target's states for rows it computed (else zeros)
+        draft_hidden      [1, T, H]   the head's own last state for a row it drafts (else zeros)
+     -> logits [1, R, draft vocab], present_key_0 / present_value_0, draft_hidden_out [1, R, H]
+
+    fc has no bias, so fc(zeros) adds nothing: one graph serves both kinds of row. It borrows
+    the head module's own submodules (quantized in place for int8/int4)."""
+
+    feature_outputs_order = ("draft_hidden_out",)
+
+    def __init__(self, head: Eagle3Head, embed: nn.Module, inplace: bool = False):
+        super().__init__()
+        cfg = head.cfg
+        self.cfg = cfg
+        self.embed_tokens = embed
+        self.fc, self.layer, self.norm, self.lm_head = head.fc, head.midlayer, head.norm, head.lm_head
+        self.register_buffer("inv_freq", head.rotary.inv_freq.detach().clone().float(), persistent=False)
+        self.rope_scale = float(head.rotary.attention_scaling)
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.scaling = cfg.head_dim**-0.5
+        self.num_layers = 1
+        self.inplace = inplace
+        self.fused = self.contrib_ops = False
+        self.head_vocab = None
+        self.quantization = None
+        self.feature_inputs = {"aux_hidden_states": 3 * cfg.target_hidden_size, "draft_hidden": cfg.hidden_size}
+        self.feature_outputs = {"draft_hidden_out": cfg.hidden_size}
+
+    def _rms(self, norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        from .graph import rms_norm
+
+        return rms_norm(norm, x, self.cfg.rms_norm_eps)
+
+    def forward(self, input_ids, position_ids, write_indices, attention_mask, past: list[torch.Tensor],
+                logits_rows: torch.Tensor, aux_hidden_states: torch.Tensor, draft_hidden: torch.Tensor):
+        from .graph import _rotate_half, kv_write_inplace
+        from .ops import attention_reference, kv_write
+
+        b, t = input_ids.shape
+        dtype = self.norm.weight.dtype
+        layer, d = self.layer, self.head_dim
+        fused = self.fc(aux_hidden_states.to(dtype)) + draft_hidden.to(dtype)
+        if self.cfg.norm_before_residual:
+            residual = normed = self._rms(layer.hidden_norm, fused)
+        else:
+            residual, normed = fused, self._rms(layer.hidden_norm, fused)
+        x = torch.cat([self._rms(layer.input_layernorm, self.embed_tokens(input_ids).to(dtype)), normed], dim=-1)
+        attn = layer.self_attn
+        q = attn.q_proj(x).view(b, t, self.num_heads, d).transpose(1, 2)
+        k = attn.k_proj(x).view(b, t, self.num_kv_heads, d).transpose(1, 2)
+        v = attn.v_proj(x).view(b, t, self.num_kv_heads, d).transpose(1, 2)
+        freqs = position_ids[..., None].float() * self.inv_freq
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos = (emb.cos() * self.rope_scale).to(dtype)[:, None]
+        sin = (emb.sin() * self.rope_scale).to(dtype)[:, None]
+        q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+        mask = attention_mask[:, :, None].to(dtype)
+        out, key_cache, value_cache = attention_reference(q, k, v, past[0], past[1], write_indices, mask, self.scaling,
+                                                          kv_write_inplace if self.inplace else kv_write)
+        h = residual + attn.o_proj(out)
+        h = h + layer.mlp(self._rms(layer.post_attention_layernorm, h))
+        h = h.index_select(1, logits_rows)
+        logits = self.lm_head(self._rms(self.norm, h)).float()
+        return logits, key_cache, value_cache, h.float()
+
+
+def quantize_head(head: Eagle3Head, scheme: str, zero: str) -> dict:
+    """Every linear of the head as MatMulNBits blocks (quantized here: a head comes as floats),
+    in place. Returns the manifest's record."""
+    from .blocks import quantize_float
+    from .quantize import SCHEMES, QuantLinear
+
+    bits = SCHEMES[scheme]
+    count = 0
+    owners = [(head, "fc"), (head, "lm_head")] + [(head.midlayer.self_attn, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj")] \
+        + [(head.midlayer.mlp, n) for n in ("gate_proj", "up_proj", "down_proj")]
+    for owner, name in owners:
+        weight = getattr(owner, name).weight.detach().float().numpy()
+        if weight.shape[1] % 32:
+            raise ExportError(f"EAGLE-3 head {name}: input dimension {weight.shape[1]} is not a multiple of the "
+                              "32-weight block; use --dtype fp32")
+        setattr(owner, name, QuantLinear(quantize_float(weight, bits, zero), None))
+        count += 1
+    return {"scheme": scheme, "quant_scheme": "exact", "zero": zero if bits == 4 else "none",
+            "method": "weight-only, blocks along the input dimension, MatMulNBits", "block_size": 32,
+            "linear_bits": bits, "head_bits": bits, "embedding": "int4" if bits == 4 else "float32",
+            "tensors": {f"float->int{bits}": count}, "imported_exactly": 0, "quantized_from_float": count,
+            "not_exact": [], "source": None}
+
+
+__all__ = ["ARCHITECTURES", "Eagle3Graph", "Eagle3Head", "Head", "HeadConfig", "default_layers", "is_head_folder", "load_head",
+           "quantize_head", "read_weights"]
