@@ -43,7 +43,7 @@ class HeadSettings(DistillSettings):
     steps: int = 1200
     batch: int = 8
     lr: float = 2e-3
-    ttt: int = 3  # unrolled steps per row: the head learns from its own states, as it drafts
+    ttt: int = 3  # unrolled steps per row: the head learns from its own states, as it drafts (EAGLE-3: 7)
     decay: float = 0.8  # step i's loss weighs decay**i
     evaluate_every: int = 300  # held-out agreement per step, recorded as the training curve
 
@@ -417,7 +417,7 @@ def write_head(head: Eagle3Head, layers: tuple[int, ...], record: dict, out: Pat
     from .build import atomic_folder
 
     with atomic_folder(out) as tmp:
-        (tmp / "config.json").write_text(json.dumps(head.cfg.as_config(layers), indent=1) + "\n")
+        (tmp / "config.json").write_text(json.dumps(head.cfg.as_config(layers, record["target_layers"]), indent=1) + "\n")
         save_file({k: v.detach().contiguous() for k, v in head.state_dict().items()}, str(tmp / "model.safetensors"))
         (tmp / RECORD).write_text(json.dumps(record, indent=1) + "\n")
 

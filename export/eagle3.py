@@ -15,6 +15,8 @@ A head is one decoder layer that reads the target's own hidden states:
 
 Row p of the head pairs the target's state at position p with the token at p + 1, and
 predicts the token at p + 2. The head has no embedding of its own: it reads the target's.
+Its RoPE is its own config's (the published Llama-3.1 heads: base 10000 over a target of
+500000), the one it was trained with.
 
 The published folder: `config.json` (architectures ["LlamaForCausalLMEagle3"], the layer's
 sizes, `draft_vocab_size`, the target's rope settings, optionally
@@ -134,9 +136,13 @@ class HeadConfig:
                            rms_norm_eps=self.rms_norm_eps, rope_theta=self.rope_theta, rope_scaling=self.rope_scaling,
                            max_position_embeddings=self.max_position_embeddings, hidden_act=self.hidden_act)
 
-    def as_config(self, layers: tuple[int, ...]) -> dict:
-        """The published config.json of a head with these settings."""
-        return {
+    def as_config(self, layers: tuple[int, ...], target_layers: int) -> dict:
+        """The published config.json of a head with these settings. The layer ids are written
+        only where they are not the default: systems disagree on what an explicit id means
+        (vLLM: the input of that layer, as here; SGLang: its output), but not on the default."""
+        ids = {} if tuple(layers) == default_layers(target_layers) else \
+            {"eagle_config": {"eagle_aux_hidden_state_layer_ids": list(layers)}}
+        return {**ids,
             "architectures": [ARCHITECTURES[0]], "model_type": "llama", "num_hidden_layers": 1,
             "hidden_size": self.hidden_size, "target_hidden_size": self.target_hidden_size,
             "num_attention_heads": self.num_heads, "num_key_value_heads": self.num_kv_heads, "head_dim": self.head_dim,
@@ -145,7 +151,6 @@ class HeadConfig:
             "rope_scaling": self.rope_scaling, "max_position_embeddings": self.max_position_embeddings,
             "hidden_act": self.hidden_act, "norm_before_residual": self.norm_before_residual,
             "tie_word_embeddings": False, "torch_dtype": "float32",
-            "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(layers)},
         }
 
     def shapes(self) -> dict[str, tuple[int, ...]]:
@@ -240,9 +245,13 @@ def load_head(folder: Path, target_config) -> Head:
     if len(set(layers)) != 3 or max(layers) >= n:
         raise ExportError(f"{where}: reads target layers {list(layers)}; expected three distinct layers of the "
                           f"target's 0..{n - 1}")
-    theta = getattr(target_config, "rope_theta", None)
-    if theta is not None and abs(float(theta) - cfg.rope_theta) > 1e-6 * float(theta):
-        raise ExportError(f"{where}: rope_theta {cfg.rope_theta:g}; the target's is {float(theta):g}")
+    # The head's RoPE is its own, the one it was trained with (EAGLE's published heads train
+    # with base 10000 over a Llama-3.1 target of 500000): its config's, never the target's.
+    if cfg.rope_scaling is not None:
+        try:
+            cfg.llama_config()
+        except (ValueError, KeyError, TypeError) as e:
+            raise ExportError(f"{where}: rope_scaling {cfg.rope_scaling!r:.60} ({str(e).splitlines()[0][:80]})") from None
     weights = read_weights(folder, cfg)
     record = folder / "distill.json"
     distilled = json.loads(record.read_text()) if record.is_file() else None

@@ -83,7 +83,7 @@ def copy_of(bundles, tmp_path):
 
 # Fixtures that build source models or export bundles: a test that reaches any of them (directly
 # or through another fixture) belongs to the whole suite, not to `make test-fast`.
-EXPORTING_FIXTURES = {"models", "bundles", "smollm2", "small_vocab", "small_tree"}
+EXPORTING_FIXTURES = {"models", "bundles", "smollm2", "small_vocab", "small_tree", "heads", "eagle_bundles", "small_head"}
 
 
 def pytest_collection_modifyitems(items):

@@ -107,7 +107,7 @@ FAMILY_DEFAULTS = {
 
 
 def make_eagle3_head(folder: Path, target: Path, draft_vocab: int = 96, seed: int = 0, layers: list[int] | None = None,
-                     weights: str = "model.safetensors", scale: float = 0.08, **config):
+                     weights: str = "model.safetensors", scale: float = 0.08, head_scale: float = 10.0, **config):
     """A random EAGLE-3 head for the tiny model folder `target`, in the published layout:
     config.json (LlamaForCausalLMEagle3) and its weights, d2t over a random draft vocabulary."""
     import json
@@ -140,7 +140,7 @@ def make_eagle3_head(folder: Path, target: Path, draft_vocab: int = 96, seed: in
         "midlayer.self_attn.v_proj.weight": rand(kv * d, 2 * h), "midlayer.self_attn.o_proj.weight": rand(h, heads * d),
         "midlayer.mlp.gate_proj.weight": rand(t.intermediate_size, h), "midlayer.mlp.up_proj.weight": rand(t.intermediate_size, h),
         "midlayer.mlp.down_proj.weight": rand(h, t.intermediate_size),
-        "norm.weight": 1 + rand(h), "lm_head.weight": rand(draft_vocab, h) * 10,
+        "norm.weight": 1 + rand(h), "lm_head.weight": rand(draft_vocab, h) * head_scale,
         "d2t": ids - torch.arange(draft_vocab), "t2d": torch.zeros(v, dtype=torch.bool).index_fill_(0, ids, True),
     }
     folder.mkdir(parents=True, exist_ok=True)
