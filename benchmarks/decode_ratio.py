@@ -50,6 +50,10 @@ def main() -> None:
     lens = [k if k == "auto" else int(k) for k in args.draft_len.split(",")]
     rows = {(b, k): [] for b in sessions for k in lens}
     plain_rates = {b: [] for b in sessions}
+    # per (bundle, k): drafts judged and accepted per draft position, draft seconds and passes,
+    # and the plain runs' seconds per target pass beside them (a draft step's cost relative to a step)
+    at = {key: ([], []) for key in rows}
+    cost = {key: [0.0, 0, 0.0, 0] for key in rows}
     for prompt in read_prompts(Path(args.prompts))[: args.limit]:
         runs = {key: [] for key in rows}
         rates = {b: [] for b in sessions}
@@ -63,6 +67,18 @@ def main() -> None:
                     assert spec.token_ids == plain.token_ids, (b, prompt, k)
                     ratio = spec.stats.decode_tokens_per_second / plain.stats.decode_tokens_per_second
                     runs[b, k].append((ratio, spec.stats.acceptance_rate, spec.stats.mean_accepted))
+                    proposed, accepted = at[b, k]
+                    for i, (p, a) in enumerate(zip(spec.stats.proposed_at, spec.stats.accepted_at)):
+                        if i == len(proposed):
+                            proposed.append(0)
+                            accepted.append(0)
+                        proposed[i] += p
+                        accepted[i] += a
+                    c = cost[b, k]
+                    c[0] += spec.stats.draft_seconds
+                    c[1] += spec.stats.draft_passes
+                    c[2] += plain.stats.verify_seconds
+                    c[3] += plain.stats.target_passes
         for key in rows:
             rows[key].append(tuple(statistics.median(r[i] for r in runs[key]) for i in range(3)))
         for b in sessions:
@@ -73,6 +89,12 @@ def main() -> None:
         name = "" if len(sessions) == 1 else f"{b} (plain {statistics.median(plain_rates[b]):.1f} tok/s) "
         print(f"{name}draft {k}: median ratio {statistics.median(r[0] for r in v):.3f} (lowest prompt {min(r[0] for r in v):.2f}), "
               f"acceptance {statistics.median(r[1] for r in v):.3f}, tokens per pass {statistics.median(r[2] for r in v):.2f}")
+        proposed, accepted = at[b, k]
+        d_seconds, d_passes, p_seconds, p_passes = cost[b, k]
+        if d_passes:
+            print(f"    acceptance by draft position: {', '.join(f'{a / p:.2f}' for p, a in zip(proposed, accepted) if p)}; "
+                  f"a draft pass costs {d_seconds / d_passes * 1e3:.2f} ms, {d_seconds / d_passes / (p_seconds / p_passes):.3f} "
+                  f"of a plain step ({p_seconds / p_passes * 1e3:.2f} ms; the first pass of a round catches up on its tokens)")
 
 if __name__ == "__main__":
     main()

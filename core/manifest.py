@@ -36,7 +36,7 @@ def one_class_per_draft_kind(classes, what: str) -> dict[str, type]:
     lacks, or a class of an unknown or repeated kind, fails at import, naming it.
 
     >>> list(one_class_per_draft_kind([type(k, (), {"kind": k}) for k in reversed(DRAFT_KINDS)], "t"))
-    ['model', 'self', 'ngram', 'suffix', 'none']
+    ['model', 'self', 'eagle3', 'ngram', 'suffix', 'none']
     """
     by_kind: dict[str, type] = {}
     for cls in classes:

@@ -236,7 +236,7 @@ def check_parity(
     else:
         ids = np.resize(text, total)
     graph.inplace = True
-    worst_ort = worst_hf = 0.0
+    worst_ort = worst_hf = worst_states = 0.0
     eager_rows = []
     try:
         with torch.no_grad():
@@ -253,7 +253,7 @@ def check_parity(
                     continue
                 got = engine.forward(chunk, start, last=last).copy()
                 if engine.features is not None:  # a target for an EAGLE-3 head: the states it returns, every row
-                    worst_ort = max(worst_ort, _rel_diff(engine.features[start : start + t], outputs[-1][0].numpy()))
+                    worst_states = max(worst_states, _rel_diff(engine.features[start : start + t], outputs[-1][0].numpy()))
                 if got.shape[0] != (1 if last else t):
                     raise ExportError(f"{onnx_path.name}: a pass of {t} tokens asked for {1 if last else t} logit rows "
                                       f"and returned {got.shape[0]}")
@@ -273,6 +273,9 @@ def check_parity(
             f"{onnx_path.name}: ONNX Runtime logits differ from PyTorch eager by {worst_ort:.2e} "
             f"(relative to the largest logit), over the {bound:.0e} bound"
         )
+    if worst_states > bound:
+        raise ExportError(f"{onnx_path.name}: the hidden states ONNX Runtime returns for an EAGLE-3 head differ from "
+                          f"PyTorch eager by {worst_states:.2e} (relative to the largest), over the {bound:.0e} bound")
     if worst_hf > bound:
         raise ExportError(
             f"{onnx_path.name}: the exported module differs from the source model by {worst_hf:.2e}, over {bound:.0e}"
@@ -281,6 +284,7 @@ def check_parity(
         "passes": [list(p) for p in schedule],
         "max_rel_diff_ort_vs_eager": worst_ort if engine is not None else None,
         "max_rel_diff_eager_vs_source": worst_hf if hf_model is not None else None,
+        **({"max_rel_diff_states_ort_vs_eager": worst_states} if engine is not None and engine.features is not None else {}),
         "bound": bound,
     }
 

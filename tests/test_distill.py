@@ -140,9 +140,17 @@ def test_out_of_range_settings_are_one_line_errors(models, tmp_path, flag, value
 
 def test_the_cli_help_states_the_real_defaults():
     from specdeploy.export.distill import DistillSettings
+    from specdeploy.export.distill_eagle3 import HeadSettings
 
     text = CliRunner().invoke(main, ["distill", "--help"], terminal_width=400).output
-    for field in ("layers", "draft_vocab", "tokens", "steps", "batch", "lr", "temperature", "max_new_tokens", "seed"):
+    for field in ("layers", "draft_vocab", "tokens", "steps", "batch", "lr", "temperature", "max_new_tokens", "seed", "ttt"):
         flag = "--" + field.replace("_", "-")
         shown = re.search(re.escape(flag) + r" [A-Z]+ .*?\[default: ([^\]]+)\]", text)
-        assert shown and float(shown.group(1)) == getattr(DistillSettings(), field), flag
+        assert shown, flag
+        model, _, eagle3 = shown.group(1).partition("; eagle3 ")  # "--kind eagle3" defaults, where they differ
+        if field == "ttt":
+            assert float(model) == HeadSettings().ttt and not eagle3
+            continue
+        assert float(model) == getattr(DistillSettings(), field), flag
+        if field != "layers":
+            assert float(eagle3 or model) == getattr(HeadSettings(), field), flag

@@ -26,7 +26,8 @@ def describe(bundle: Bundle) -> str:
         lines += [
             f"{role:<11} {e.graph} ({_mib(size)}): {e.architecture}, {e.num_layers}/{e.source_layers} layers, "
             f"hidden {e.hidden_size}, heads {e.num_heads} (kv {e.num_kv_heads}) x {e.head_dim}, "
-            f"vocab {e.vocab_size}, {e.parameters / 1e6:.1f}M parameters, {e.dtype}",
+            f"vocab {e.vocab_size}" + (f" (its head: {e.draft_vocab} draft tokens)" if e.draft_vocab else "")
+            + f", {e.parameters / 1e6:.1f}M parameters, {e.dtype}",
             f"            KV: {2 * e.num_layers} buffers [1, {e.num_kv_heads}, {m.max_seq}, {e.head_dim}] "
             f"{e.kv_dtype}, written in place"
             + (f", sliding window {e.sliding_window}" if e.sliding_window else ""),
@@ -48,11 +49,13 @@ def describe(bundle: Bundle) -> str:
         p = e.parity
         if p:
             src = p.get("max_rel_diff_eager_vs_source")
+            published = p.get("max_rel_diff_eager_vs_reference")  # an EAGLE-3 head
             ort_diff = p["max_rel_diff_ort_vs_eager"]
             lines.append(
                 "            parity: ONNX Runtime vs eager "
                 + (f"{ort_diff:.1e}" if ort_diff is not None else "not run (no bfloat16 CPU kernels)")
                 + (f", eager vs source {src:.1e}" if src is not None else "")
+                + (f", eager vs the published forward {published:.1e}" if published is not None else "")
                 + f" (bound {p['bound']:.2g}, relative to the largest logit)"
             )
         lines.append(f"            source: {e.source}")
