@@ -282,3 +282,31 @@ def test_a_bundle_without_its_vocabulary_map_is_refused(eagle_bundles, tmp_path)
     (copy / "draft_vocab.npy").unlink()
     with pytest.raises(BundleError, match="draft_vocab.npy"):
         Session(copy)
+
+
+def test_the_server_drafts_with_a_head_on_every_worker(eagle_bundles):
+    """Over real loopback HTTP, two workers (a fork attaches the head to its own target):
+    concurrent completions equal plain decoding, and the head drafted."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import httpx
+    from loopback import Server
+
+    from specdeploy.runtime.serving.pool import SessionPool
+
+    bundle = eagle_bundles("distilled")
+    session = Session(bundle)
+    want = {p: session.generate(p, max_new_tokens=24, speculate=False).text for p in PROMPTS[:6]}
+    pool = SessionPool(bundle, workers=2, max_queue=16)
+    assert all(s.drafter.target is s.target for s in pool.sessions)
+
+    def ask(prompt):
+        r = httpx.post(server.url + "/v1/completions", json={"prompt": prompt, "max_tokens": 24, "temperature": 0},
+                       timeout=60)
+        assert r.status_code == 200, r.text
+        return prompt, r.json()
+
+    with Server(pool) as server, ThreadPoolExecutor(3) as threads:
+        answers = list(threads.map(ask, PROMPTS[:6] * 2))
+    assert all(out["choices"][0]["text"] == want[p] for p, out in answers)
+    assert sum(out["specdeploy"]["drafted"] for _, out in answers) > 0
