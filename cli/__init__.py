@@ -478,8 +478,10 @@ def eval_cmd(bundle, prompts_file, max_new_tokens, draft_len, samples, alpha, ne
 @main.command()
 @click.option("--out", type=click.Path(path_type=Path), default=Path("engines/smollm2"), show_default=True)
 @click.option("--draft", default="ngram", show_default=True,
-              help="As for `export` (self:dtype=int4 with --dtype fp32: the quantized self-draft), or distilled: a "
-                   "draft `specdeploy distill` trains on the first run (about 17 minutes here) and keeps in OUT-draft/.")
+              help="As for `export` (self:dtype=int4 with --dtype fp32: the quantized self-draft); distilled: a "
+                   "draft `specdeploy distill` trains on the first run (about 17 minutes here) and keeps in OUT-draft/; "
+                   "eagle3: an EAGLE-3 head `specdeploy distill --kind eagle3` trains on the first run (about an hour "
+                   "here) and keeps in OUT-eagle3/.")
 @click.option("--prompt", default=DEFAULT_PROMPT, show_default=True, help="The chat prompt.")
 @click.option("--grounded-prompt", default=None,
               help="A prompt whose answer repeats its input (default: a spelling fix of given text); '' skips it.")

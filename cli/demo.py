@@ -16,6 +16,12 @@ from specdeploy.runtime.decoding.session import Session
 
 DISTILLED = "distilled"
 DRAFT_DTYPE = "int8"  # the distilled draft's weights: a quarter of fp32's bytes per token
+EAGLE3 = "eagle3"  # an EAGLE-3 head `specdeploy distill --kind eagle3` trains on the first run
+
+
+def head_folder(out: Path) -> Path:
+    """Where the demo keeps the EAGLE-3 head it trains."""
+    return out.parent / f"{out.name}-eagle3"
 
 
 def draft_folder(out: Path) -> Path:
@@ -39,6 +45,8 @@ def _bundle_ready(out: Path, draft: str, dtype: str) -> bool:
         return False  # another configuration, or graphs of an older format (they run, slower): export again
     if draft == DISTILLED:
         return bundle.draft_kind == "model" and bundle.draft.distilled is not None
+    if draft == EAGLE3:
+        return bundle.draft_kind == "eagle3"
     return _spelling(bundle.draft) == draft
 
 
@@ -55,6 +63,15 @@ def _export(out: Path, draft: str, dtype: str) -> None:
             click.echo(f"training a draft for SmolLM2-135M-Instruct into {folder} (once; resumes if interrupted)", err=True)
             distill(embedded_default(), folder, DistillSettings(), log=log)
         draft, draft_dtype = str(folder), DRAFT_DTYPE
+    elif draft == EAGLE3:
+        from specdeploy.export.distill_eagle3 import RECORD, HeadSettings, distill_head
+
+        folder = head_folder(out)
+        if not (folder / RECORD).is_file():
+            click.echo(f"training an EAGLE-3 head for SmolLM2-135M-Instruct into {folder} (once; about an hour on 2 "
+                       "cores; resumes if interrupted)", err=True)
+            distill_head(embedded_default(), folder, HeadSettings(), log=log)
+        draft = str(folder)
     click.echo(f"exporting SmolLM2-135M-Instruct ({dtype}) with draft {draft} to {out} (once; later runs reuse it)", err=True)
     build_bundle(embedded_default(), draft, out, dtype=dtype, log=log, draft_dtype=draft_dtype)
 

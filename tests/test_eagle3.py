@@ -310,3 +310,19 @@ def test_the_server_drafts_with_a_head_on_every_worker(eagle_bundles):
         answers = list(threads.map(ask, PROMPTS[:6] * 2))
     assert all(out["choices"][0]["text"] == want[p] for p, out in answers)
     assert sum(out["specdeploy"]["drafted"] for _, out in answers) > 0
+
+
+def test_a_bundle_for_tensorrt_passes_check_trt_and_its_plans_are_refused_in_one_line(heads, tmp_path):
+    """--for tensorrt: both graphs standard ONNX that TensorRT's parser takes (export runs the
+    check); building plans of an EAGLE-3 bundle is not done yet, and says so."""
+    from specdeploy.export import build_bundle
+    from specdeploy.export.trt_build import build_engines
+    from specdeploy.export.trt_ops import check_bundle
+
+    root, _ = heads
+    build_bundle(root / "t8", str(root / "distilled"), tmp_path / "b", max_seq=64, max_draft=4, prefill_chunk=16,
+                 dtype="int4", device="tensorrt")
+    assert check_bundle(tmp_path / "b") == []
+    with pytest.raises(ExportError, match="EAGLE-3 bundle runs on --backend ort") as err:
+        build_engines(tmp_path / "b")
+    assert "\n" not in str(err.value)
