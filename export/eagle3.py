@@ -459,7 +459,7 @@ def quantize_head(head: Eagle3Head, scheme: str, zero: str) -> dict:
     return {"scheme": scheme, "quant_scheme": "exact", "zero": zero if bits == 4 else "none",
             "method": "weight-only, blocks along the input dimension, MatMulNBits", "block_size": 32,
             "accuracy_level": ACCURACY_LEVEL,
-            "linear_bits": bits, "head_bits": bits, "embedding": "int4" if bits == 4 else "float32",
+            "linear_bits": bits, "head_bits": bits, "embedding": "float32",
             "tensors": {f"float->int{bits}": count}, "imported_exactly": 0, "quantized_from_float": count,
             "not_exact": [], "source": None}
 

@@ -25,20 +25,23 @@ GRAPH_FILE = "draft.onnx"
 VOCAB_MAP = "draft_vocab.npy"  # int64 [draft vocab]: each draft id's target id
 
 
-def head_graph(head: Head, target: Source, dtype: str, zero: str = "min") -> tuple[Eagle3Graph, Eagle3Head]:
+def head_graph(head: Head, target: Source, dtype: str, zero: str = "min", standard: bool = False
+               ) -> tuple[Eagle3Graph, Eagle3Head]:
     """(the graph module at `dtype`, the float reference module). int8/int4 quantize the head's
-    linears (and at int4 the embedding it reads, to 4-bit blocks: the draft only proposes)."""
+    linears (and at int4 the embedding it reads, to 4-bit blocks: the draft only proposes;
+    `standard`, for TensorRT's parser, keeps the embedding float)."""
     embed = target.model.model.embed_tokens
     reference = Eagle3Head.from_head(head, embed)
     module = copy.deepcopy(reference)
     record = None
     if dtype in SCHEMES:
         record = quantize_head(module, dtype, zero)
-        if SCHEMES[dtype] == 4:
+        if SCHEMES[dtype] == 4 and not standard:
             from .blocks import quantize_float
 
             table = QuantLinear(quantize_float(embed.weight.detach().float().numpy(), 4, "none"), None)
             embed = QuantEmbedding(table.packed, table.scales, table.out_features, table.in_features)
+            record["embedding"] = "int4"
     else:
         module = module.to(TORCH_DTYPE[dtype])
         embed = copy.deepcopy(embed).to(TORCH_DTYPE[dtype])
@@ -75,7 +78,7 @@ def export_head(head: Head, target: Source, dtype: str, *, work: Path, max_seq: 
                           "int8 or int4")
     t0 = time.perf_counter()
     standard = device == "tensorrt"
-    graph, reference = head_graph(head, target, dtype, "none" if standard else "min")
+    graph, reference = head_graph(head, target, dtype, "none" if standard else "min", standard)
     spec = head_entry(graph, reference, head, dtype, max_seq)
     quantized = graph.quantization is not None
     forms = export_onnx(graph, work / GRAPH_FILE, max_seq, TORCH_DTYPE[dtype], optimize=not quantized or standard,
