@@ -94,8 +94,8 @@ def _share_threads(threads: int | None) -> None:
 @main.command("export")
 @click.option("--target", required=True, help="Hugging Face model folder or .gguf file ('smollm2': the embedded default).")
 @click.option("--draft", default="ngram", show_default=True,
-              help="PATH (a model sharing the target's tokenizer), self:layers=N[,dtype=D], ngram, suffix (a suffix "
-                   "index over the request and earlier ones, proposing token trees), or none.")
+              help="PATH (a model sharing the target's tokenizer, or an EAGLE-3 head folder), self:layers=N[,dtype=D], "
+                   "ngram, suffix (a suffix index over the request and earlier ones, proposing token trees), or none.")
 @click.option("--out", required=True, type=click.Path(path_type=Path), help="Bundle folder to write.")
 @click.option("--max-seq", default=1024, show_default=True, help="KV buffer length: prompt + new tokens must fit.")
 @click.option("--max-draft", default=8, show_default=True, help="Largest draft length a verify pass may carry.")
