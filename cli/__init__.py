@@ -140,7 +140,7 @@ def export_cmd(target, draft, out, max_seq, max_draft, device, dtype, draft_dtyp
 @click.option("--layers", type=int, help="Draft layers, initialised from the target's first ones (--kind model).  [default: 2]")
 @click.option("--draft-vocab", type=int, help="Tokens the draft's head covers (the target's most frequent picks).  [default: 8192]")
 @click.option("--tokens", type=int, help="Answer tokens the target generates to learn from.  [default: 40000; eagle3 100000]")
-@click.option("--steps", type=int, help="Training steps.  [default: 500; eagle3 1200]")
+@click.option("--steps", type=int, help="Training steps.  [default: 500; eagle3 900]")
 @click.option("--ttt", type=int, help="--kind eagle3: unrolled draft steps per training row.  [default: 3]")
 @click.option("--batch", type=int, help="Answers per training step.  [default: 8]")
 @click.option("--lr", type=float, help="Peak learning rate (AdamW, warm-up then cosine).  [default: 0.001; eagle3 0.002]")

@@ -40,7 +40,7 @@ class HeadSettings(DistillSettings):
 
     draft_vocab: int = 8192
     tokens: int = 100_000
-    steps: int = 1200
+    steps: int = 900  # on SmolLM2's 100,000 tokens: 35.8% -> 42.5% -> 43.7% first-token agreement at 300/600/900
     batch: int = 8
     lr: float = 2e-3
     ttt: int = 3  # unrolled steps per row: the head learns from its own states, as it drafts (EAGLE-3: 7)
