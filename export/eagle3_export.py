@@ -161,4 +161,30 @@ def check_head_parity(graph: Eagle3Graph, reference: Eagle3Head, onnx_path: Path
             "max_rel_diff_eager_vs_reference": worst_ref if dtype == "fp32" else None, "bound": bound}
 
 
-__all__ = ["GRAPH_FILE", "VOCAB_MAP", "check_head_parity", "export_head", "head_graph"]
+def rebuild_head(spec: ModelSpec, target: ModelSpec) -> Eagle3Graph:
+    """The head's graph module as export made it (what the torch backend runs): from the head
+    folder and the target source the manifest names, each checked against its sha256."""
+    from specdeploy.core.errors import BundleError
+
+    from .eagle3 import load_head
+    from .load import load_source
+
+    for entry, what in ((spec, "EAGLE-3 head"), (target, "target")):
+        if entry.source is None or not Path(entry.source).exists():
+            raise BundleError(f"the torch backend rebuilds the {what} from {entry.source}: no such folder or file")
+        if entry.source_sha256 is not None and source_digest(Path(entry.source)) != entry.source_sha256:
+            raise BundleError(f"{entry.source}: the {what} changed after export (its sha256 differs from the "
+                              "manifest's); re-export the bundle")
+    try:
+        source = load_source(target.source)
+        head = load_head(Path(spec.source), source.config)
+    except ExportError as e:
+        raise BundleError(f"the torch backend rebuilds the EAGLE-3 head: {e}") from None
+    standard = "dequantize_linear" in (spec.quantization or {})  # exported --for tensorrt (export_head)
+    graph, reference = head_graph(head, source, spec.dtype, "none" if standard else "min", standard)
+    if sum(p.numel() for p in reference.parameters()) != spec.parameters:
+        raise BundleError(f"{spec.source}: the head's parameter count differs from the manifest's; re-export the bundle")
+    return graph
+
+
+__all__ = ["GRAPH_FILE", "VOCAB_MAP", "check_head_parity", "export_head", "head_graph", "rebuild_head"]

@@ -268,9 +268,31 @@ def test_an_interrupted_distill_resumes_to_the_same_head(heads, tmp_path):
     assert all(torch.equal(got[k], want[k]) for k in want)
 
 
-def test_other_backends_refuse_a_head_in_one_line(eagle_bundles):
-    with pytest.raises(InputError, match="runs on --backend ort") as err:
-        Session(eagle_bundles("random"), backend="torch")
+def test_the_torch_backend_drafts_with_a_head_as_ort_does(eagle_bundles):
+    """The torch backend rebuilds the target (returning the head's states) and the head from
+    their sources: greedy speculative output equals ort's plain output, and the head drafts.
+    An int4 target it refuses to speculate with, in one line: its verify rows are not
+    bit-identical to single steps on PyTorch."""
+    name = "distilled"
+    ort, torch_session = Session(eagle_bundles(name)), Session(eagle_bundles(name), backend="torch")
+    assert torch_session.drafter.kind == "eagle3"
+    accepted = 0
+    for prompt in PROMPTS[:8]:
+        ids = ort.encode(prompt)
+        plain = ort.generate(prompt_ids=ids, max_new_tokens=NEW_TOKENS, speculate=False)
+        for k in (1, 3, "auto"):
+            spec = torch_session.generate(prompt_ids=ids, max_new_tokens=NEW_TOKENS, draft_len=k)
+            assert spec.token_ids == plain.token_ids, (prompt, k)
+            accepted += spec.stats.accepted
+    assert accepted > 0
+    with pytest.raises(InputError, match="int4 target on --backend torch: its verify rows are not bit-identical") as err:
+        Session(eagle_bundles("distilled-int4"), backend="torch")
+    assert "\n" not in str(err.value)
+
+
+def test_the_trt_backend_refuses_a_head_in_one_line(eagle_bundles):
+    with pytest.raises(InputError, match="its eagle3 draft runs on --backend ort or torch for now, not trt") as err:
+        Session(eagle_bundles("random"), backend="trt")
     assert "\n" not in str(err.value)
 
 

@@ -42,7 +42,7 @@ import torch
 from specdeploy.core.errors import InputError
 from specdeploy.core.choices import FLOAT_DTYPES
 from specdeploy.core.manifest import ModelSpec
-from specdeploy.core.graph_io import check_pass, window_length
+from specdeploy.core.graph_io import AUX_HIDDEN, DRAFT_HIDDEN_OUT, check_pass, window_length
 
 from specdeploy.runtime.decoding.engine import Checked
 
@@ -133,8 +133,22 @@ class TorchEngine:
         self.vocab_size = spec.vocab_size
         self.device = torch.device(device) if device is not None else next(graph.parameters()).device
         cuda = self.device.type == "cuda"
+        # An EAGLE-3 bundle's hidden states (core/graph_io.py): a target writes each pass's
+        # AUX_HIDDEN rows at their positions into `features`; a head takes its inputs per pass
+        # and leaves its state in `outputs`. Eager only for now: no pass of theirs is captured.
+        self.feature_inputs, self.feature_outputs = spec.feature_inputs, spec.feature_outputs
+        eagle = bool(self.feature_inputs or self.feature_outputs)
         self.capture = cuda if capture is None else (capture and cuda)
-        self.buckets = self.capture if buckets is None else buckets
+        self.capture = self.capture and not eagle
+        self.buckets = self.capture if buckets is None else (buckets and not eagle)
+        width = self.feature_outputs.get(AUX_HIDDEN)
+        self._features = torch.zeros((max_seq, width), dtype=torch.float32, device=self.device) if width else None
+        self.features = None if width is None else (
+            self._features.numpy() if not cuda else np.zeros((max_seq, width), np.float32))  # what a head reads
+        self._feature_in = {name: torch.zeros((1, max_seq, w), dtype=torch.float32, device=self.device)
+                            for name, w in self.feature_inputs.items()}
+        self.outputs: dict[str, np.ndarray] = {}
+        self._state = None  # a head's last pass's states [1, T, H] on the device
         self.capture_max_t = capture_max_t
         self.min_window = min_window
         self.warmup = warmup
@@ -171,7 +185,19 @@ class TorchEngine:
 
         if threads:
             torch.set_num_threads(threads)  # process-wide: torch has no per-module setting
-        graph = rebuild_graph(spec)
+        if spec.role == "target" and spec.dtype in ("int8", "int4") and bundle.draft.kind != "none":
+            raise InputError(
+                f"{bundle.path}: an {spec.dtype} target on --backend torch: its verify rows are not bit-identical to single "
+                "steps (PyTorch sums a pass of several tokens in another order than one token, and the int8 activation "
+                "rounding amplifies that), so speculation could change the output; use --backend ort, a float bundle, "
+                "or --draft none")
+        if spec.architecture == "eagle3":  # an EAGLE-3 head, rebuilt from its folder and the target's embedding
+            from specdeploy.export.eagle3_export import rebuild_head
+
+            graph = rebuild_head(spec, bundle.model("target"))
+        else:
+            eagle = bundle.draft.kind == "eagle3" and spec.role == "target"
+            graph = rebuild_graph(spec, tuple(bundle.draft.aux_layers) if eagle else None)
         if device is None:
             device = "cuda" if torch.cuda.is_available() else "cpu"
         options.setdefault("capture_max_t", bundle.max_draft + 1)  # a verify pass's largest T
@@ -193,7 +219,8 @@ class TorchEngine:
             raise AttributeError("kv_arrays: the KV buffers live on the device; use .kv")
         return [t.numpy() for t in self.kv]
 
-    def forward(self, token_ids: np.ndarray, start: int, tree=None, last: bool = False) -> np.ndarray:
+    def forward(self, token_ids: np.ndarray, start: int, tree=None, last: bool = False,
+                features: "dict[str, np.ndarray | None] | None" = None) -> np.ndarray:
         """token_ids [T] at positions start..start+T-1 -> logits [T, V] float32; with `tree` (a
         TreeLayout, where `trees` is True) a tree pass, run eager. `last` (the caller reads
         only the last row) changes nothing here: every row comes back.
@@ -209,11 +236,20 @@ class TorchEngine:
         self._stage_np[1 : 1 + t] = token_ids
         window = self._window(t, start) if tree is None else start + t
         self.stats.passes += 1
+        for name, buffer in self._feature_in.items():  # an EAGLE-3 head's states for this pass (None: zeros)
+            given = features.get(name) if features else None
+            if given is None:
+                buffer[0, :t].zero_()
+            else:
+                buffer[0, :t].copy_(torch.from_numpy(np.ascontiguousarray(given, dtype=np.float32)))
         with torch.no_grad():
             run = (lambda: self._run(t, window)) if tree is None else (lambda: self._tree_pass(t, window, tree))
             if self.device.type == "cpu":
                 self.stats.host_syncs += 1
-                return run()[0].numpy()
+                logits = run()[0].numpy()
+                if self._state is not None:
+                    self.outputs[DRAFT_HIDDEN_OUT] = self._state[0].numpy()
+                return logits
             self._upload(t + 1)
             timing = self.time_device and self._events is not None
             if timing:
@@ -227,6 +263,10 @@ class TorchEngine:
             host.copy_(logits[0], non_blocking=True)
             torch.cuda.current_stream(self.device).synchronize()  # the one host sync of the pass
             self.stats.host_syncs += 1
+            if self._features is not None:  # the states a head reads, on the host
+                self.features[start : start + t] = self._features[start : start + t].cpu().numpy()
+            if self._state is not None:
+                self.outputs[DRAFT_HIDDEN_OUT] = self._state[0].cpu().numpy()
             if timing:
                 self.stats.device_seconds += self._events[0].elapsed_time(self._events[1]) / 1000
             return host.numpy()
@@ -347,7 +387,16 @@ class TorchEngine:
         if self.spec.sliding_window is not None:
             visible &= cols > rows - self.spec.sliding_window
         mask = torch.where(visible, 0.0, float("-inf"))  # [T, Lb] float32
-        return self.graph(self._io[1 : 1 + t][None], positions[None], start, mask[None, None], self.kv)[0]
+        ids = self._io[1 : 1 + t][None]
+        if self._feature_in:  # an EAGLE-3 head: every row's logits and state, from its inputs
+            out = self.graph(ids, positions[None], start, mask[None, None], self.kv, self._arange[:t],
+                             *(buffer[:, :t] for buffer in self._feature_in.values()))
+            self._state = out[-1]
+            return out[0]
+        out = self.graph(ids, positions[None], start, mask[None, None], self.kv)
+        if self._features is not None:  # a target for an EAGLE-3 head: its states, at their positions
+            self._features.index_copy_(0, positions, out[-1][0])
+        return out[0]
 
     def _tree_pass(self, t: int, window: int, tree) -> torch.Tensor:
         """A tree pass, eager: each token at start + its depth, seeing the context and its

@@ -15,7 +15,7 @@ from specdeploy.core.manifest import Bundle, load_bundle
 
 from specdeploy.runtime.backends import BackendChoice, Device, make_engine
 from specdeploy.runtime.backends.ort import settle_thread_pool, thread_pool_choice
-from specdeploy.runtime.decoding.drafters import make_drafter
+from specdeploy.runtime.decoding.drafters import drafter_class, make_drafter
 from specdeploy.runtime.decoding.loop import DecodeSettings, PromptCache, decode
 from specdeploy.runtime.decoding.policy import DraftLength, TreeSize
 from specdeploy.runtime.decoding.request import (
@@ -191,6 +191,10 @@ class Session:
         self.tokenizer = Tokenizer(b.file(b.tokenizer.file), b.tokenizer)
         self.backend = choice.name
         self.choice = choice
+        allowed = getattr(drafter_class(b.draft_kind), "backends", None)  # a drafter that runs on some backends only
+        if allowed is not None and choice.name not in allowed:
+            raise InputError(f"{b.path}: its {b.draft_kind} draft runs on --backend {' or '.join(allowed)} for now, "
+                             f"not {choice.name}")
         self.target = make_engine(choice, b, b.model("target"), threads)
         self.drafter = make_drafter(b, choice, threads)  # the drafters pass the choice on to make_engine
         _attach(self.drafter, self.target)

@@ -16,7 +16,7 @@ import time
 
 import numpy as np
 
-from specdeploy.core.errors import BundleError, InputError
+from specdeploy.core.errors import BundleError
 from specdeploy.core.graph_io import AUX_HIDDEN, DRAFT_HIDDEN, DRAFT_HIDDEN_OUT
 from specdeploy.core.manifest import Bundle, DraftEntry
 
@@ -45,6 +45,7 @@ def read_vocab_map(bundle: Bundle) -> np.ndarray:
 class Eagle3Drafter:
     kind = "eagle3"
     proposes_trees = keeps_history = False
+    backends = ("ort", "torch")  # where its engines feed it the target's states (the ort one: on the CPU)
 
     def __init__(self, engine: Engine, to_target: np.ndarray, vocab_size: int, chunk: int, cost_ratio: float = 0.0):
         self.engine = engine
@@ -61,11 +62,7 @@ class Eagle3Drafter:
     @classmethod
     def from_bundle(cls, bundle: Bundle, backend: BackendChoice | str, threads: int | None) -> "Eagle3Drafter":
         head, target = bundle.model("draft"), bundle.model("target")
-        choice = BackendChoice.of(backend)
-        if choice.name != "ort":
-            raise InputError(f"{bundle.path}: an EAGLE-3 head runs on --backend ort (its CPU provider) for now, "
-                             f"not {choice.name}")
-        engine = make_engine(choice, bundle, head, threads)
+        engine = make_engine(BackendChoice.of(backend), bundle, head, threads)
         return cls(engine, read_vocab_map(bundle), target.vocab_size, bundle.prefill_chunk,
                    static_cost_ratio(bundle, head, target))
 
