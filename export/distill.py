@@ -383,17 +383,7 @@ def distill(
         "target_layers": cfg.num_hidden_layers,
         "layers": settings.layers,
         "init": "the target's first layers and final norm; its embeddings, frozen; its head rows of the vocabulary",
-        "draft_vocab": int(vocab.shape[0]),
-        "vocab_coverage": {
-            "train": coverage(train_data, vocab, cfg.vocab_size), "held_out": coverage(held_out, vocab, cfg.vocab_size),
-        },
-        "data": {
-            "answers": len(data),
-            "answer_tokens": sum(r["top_ids"].shape[0] for r in data),
-            "held_out_answers": len(held_out),
-            "sources": "the target's answers to chat questions on our topics, coding tasks, standard-library "
-                       "functions to explain and standard-library docstrings to summarise (export/distill_data.py)",
-        },
+        **data_record(data, train_data, held_out, vocab, cfg.vocab_size),
         "settings": asdict(settings),
         "final_loss": sum(losses[-20:]) / max(1, len(losses[-20:])),
         "held_out_agreement": {"untrained": untrained, "distilled": trained},
@@ -410,6 +400,22 @@ def distill(
     return record
 
 
+def data_record(data: list[dict], train: list[dict], held_out: list[dict], vocab: torch.Tensor, vocab_size: int) -> dict:
+    """What a distill record says of its data and draft vocabulary (both kinds)."""
+    return {
+        "draft_vocab": int(vocab.shape[0]),
+        "vocab_coverage": {"train": coverage(train, vocab, vocab_size), "held_out": coverage(held_out, vocab, vocab_size)},
+        "data": {
+            "answers": len(data),
+            "answer_tokens": sum(r["top_ids"].shape[0] for r in data),
+            "rows": sum(r["ids"].shape[0] for r in data),
+            "held_out_answers": len(held_out),
+            "sources": "the target's answers to chat questions on our topics, coding tasks, standard-library "
+                       "functions to explain and standard-library docstrings to summarise (export/distill_data.py)",
+        },
+    }
+
+
 def _write_folder(student: Student, source: Source, record: dict, out: Path) -> None:
     """The draft as a Hugging Face folder (model, tokenizer, distill.json), moved into place
     only when complete."""
@@ -421,4 +427,4 @@ def _write_folder(student: Student, source: Source, record: dict, out: Path) -> 
         (tmp / RECORD).write_text(json.dumps(record, indent=1) + "\n")
 
 
-__all__ = ["RECORD", "DistillSettings", "Student", "agreement", "distill", "loss_fn"]
+__all__ = ["RECORD", "DistillSettings", "Student", "agreement", "data_record", "distill", "loss_fn"]

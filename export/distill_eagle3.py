@@ -15,7 +15,6 @@ run resumes where it stopped and ends with the same weights.
 from __future__ import annotations
 
 import json
-import math
 import shutil
 import time
 from dataclasses import asdict, dataclass
@@ -26,7 +25,7 @@ import torch
 
 from specdeploy.core.errors import ExportError
 
-from .distill import DistillSettings, _bar, _save, _schedule, coverage, draft_vocabulary, generate_data
+from .distill import DistillSettings, _bar, _save, _schedule, data_record, draft_vocabulary, generate_data, loss_fn
 from .eagle3 import Eagle3Head, HeadConfig, default_layers
 from .load import Source, eos_token_ids, load_source
 
@@ -229,10 +228,8 @@ def step_losses(head: Eagle3Head, batch, steps: int) -> tuple[list[torch.Tensor]
         rows = where[keep]
         logprobs = head.logits(out[rows[:, 0], rows[:, 1]]).log_softmax(-1)
         li, lp = label_ids[keep], label_probs[keep]
-        inside = li >= 0
-        picked = logprobs.gather(-1, li.clamp(min=0))
-        losses.append(-(lp * picked * inside).sum(-1).mean())
-        hits.append((logprobs.argmax(-1) == li[:, 0]) & inside[:, 0])
+        losses.append(loss_fn(logprobs, li, lp))
+        hits.append((logprobs.argmax(-1) == li[:, 0]) & (li[:, 0] >= 0))
     return losses, hits
 
 
@@ -375,7 +372,6 @@ def distill_head(
     losses, curve = train(head, train_data, held_out, remap, pad, settings, work, progress, log, stop_after)
     train_seconds = time.perf_counter() - t0
     trained = curve[-1]["agreement"] if curve else agreement(head, held_out, remap, pad, settings.ttt)
-    cfg = source.config
     record = {
         "kind": "eagle3",
         "target": str(source.path),
@@ -383,18 +379,7 @@ def distill_head(
         "aux_layers": list(layers),
         "init": "the target's last layer (the state half of q/k/v, o, MLP), its final norm and head rows; "
                 "fc passing the highest state through",
-        "draft_vocab": int(vocab.shape[0]),
-        "vocab_coverage": {
-            "train": coverage(train_data, vocab, cfg.vocab_size), "held_out": coverage(held_out, vocab, cfg.vocab_size),
-        },
-        "data": {
-            "answers": len(data),
-            "answer_tokens": sum(r["top_ids"].shape[0] for r in data),
-            "rows": sum(r["ids"].shape[0] for r in data),
-            "held_out_answers": len(held_out),
-            "sources": "the target's answers to chat questions on our topics, coding tasks, standard-library "
-                       "functions to explain and standard-library docstrings to summarise (export/distill_data.py)",
-        },
+        **data_record(data, train_data, held_out, vocab, source.config.vocab_size),
         "settings": asdict(settings),
         "final_loss": sum(losses[-20:]) / max(1, len(losses[-20:])),
         "held_out_agreement": {"untrained": untrained, "trained": trained},
