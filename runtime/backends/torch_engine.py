@@ -259,7 +259,7 @@ class TorchEngine:
                 self._events[1].record()
             host = self._host_logits.get(t)
             if host is None:
-                host = self._host_logits[t] = torch.empty((t, self.vocab_size), dtype=torch.float32, pin_memory=True)
+                host = self._host_logits[t] = torch.empty((t, self.spec.logits_width), dtype=torch.float32, pin_memory=True)
             host.copy_(logits[0], non_blocking=True)
             torch.cuda.current_stream(self.device).synchronize()  # the one host sync of the pass
             self.stats.host_syncs += 1

@@ -57,7 +57,6 @@ class Eagle3Drafter:
         self.seen = np.empty(engine.max_seq + 1, dtype=np.int64)  # the ids the cache's rows were computed from
         self.length = 0  # rows 0..length-1 hold the target's states (row p: ids[0..p+1])
         self._runs = None  # the head engine's pass count when `length` was last true
-        self._zeros = np.zeros((1, engine.feature_inputs[AUX_HIDDEN]), np.float32)
 
     @classmethod
     def from_bundle(cls, bundle: Bundle, backend: BackendChoice | str, threads: int | None) -> "Eagle3Drafter":
