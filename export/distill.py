@@ -184,6 +184,20 @@ def draft_vocabulary(train: list[dict], source: Source, size: int) -> torch.Tens
     return torch.tensor(sorted(order[:size]), dtype=torch.long)
 
 
+def split_and_vocabulary(data: list[dict], source: Source, s: DistillSettings):
+    """The answers split into training and held-out ones (the last `s.held_out` share), the
+    draft vocabulary of the training ones, the map target id -> draft id (-1: outside it) and
+    the pad id: what both kinds of draft train from."""
+    held = max(1, round(len(data) * s.held_out))
+    train_data, held_out = data[:-held], data[-held:]
+    if not train_data:
+        raise ExportError(f"--tokens {s.tokens}: too few answers to train on; ask for more tokens")
+    vocab = draft_vocabulary(train_data, source, s.draft_vocab)
+    remap = torch.full((source.config.vocab_size,), -1, dtype=torch.long)
+    remap[vocab] = torch.arange(vocab.shape[0])
+    return train_data, held_out, vocab, remap, eos_token_ids(source)[0]
+
+
 def coverage(records: list[dict], vocab: torch.Tensor, vocab_size: int) -> float:
     """Share of answer tokens whose target first choice the vocabulary holds."""
     inside = torch.zeros(vocab_size, dtype=torch.bool)
@@ -357,15 +371,7 @@ def distill(
     t0 = time.perf_counter()
     data = generate_data(source, settings, work, progress, log)
     generate_seconds = time.perf_counter() - t0
-    held = max(1, round(len(data) * settings.held_out))
-    train_data, held_out = data[:-held], data[-held:]
-    if not train_data:
-        raise ExportError(f"--tokens {settings.tokens}: too few answers to train on; ask for more tokens")
-
-    vocab = draft_vocabulary(train_data, source, settings.draft_vocab)
-    remap = torch.full((source.config.vocab_size,), -1, dtype=torch.long)
-    remap[vocab] = torch.arange(vocab.shape[0])
-    pad = eos_token_ids(source)[0]
+    train_data, held_out, vocab, remap, pad = split_and_vocabulary(data, source, settings)
     student = Student(source.model, settings.layers, vocab)
     untrained = agreement(student, held_out, remap, pad)
     log(f"training a {settings.layers}-layer draft with a {vocab.shape[0]}-token head "
@@ -427,4 +433,5 @@ def _write_folder(student: Student, source: Source, record: dict, out: Path) -> 
         (tmp / RECORD).write_text(json.dumps(record, indent=1) + "\n")
 
 
-__all__ = ["RECORD", "DistillSettings", "Student", "agreement", "data_record", "distill", "loss_fn"]
+__all__ = ["RECORD", "DistillSettings", "Student", "agreement", "data_record", "distill", "loss_fn",
+           "split_and_vocabulary"]

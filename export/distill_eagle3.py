@@ -25,9 +25,9 @@ import torch
 
 from specdeploy.core.errors import ExportError
 
-from .distill import DistillSettings, _bar, _save, _schedule, data_record, draft_vocabulary, generate_data, loss_fn
+from .distill import DistillSettings, _bar, _save, _schedule, data_record, generate_data, loss_fn, split_and_vocabulary
 from .eagle3 import Eagle3Head, HeadConfig, default_layers
-from .load import Source, eos_token_ids, load_source
+from .load import Source, load_source
 
 RECORD = "distill.json"
 
@@ -355,15 +355,7 @@ def distill_head(
     log(f"teacher-forced target passes: the states entering layers {list(layers)}")
     feature_data(source, data, layers, work, progress)
     feature_seconds = time.perf_counter() - t0
-    held = max(1, round(len(data) * settings.held_out))
-    train_data, held_out = data[:-held], data[-held:]
-    if not train_data:
-        raise ExportError(f"--tokens {settings.tokens}: too few answers to train on; ask for more tokens")
-
-    vocab = draft_vocabulary(train_data, source, settings.draft_vocab)
-    remap = torch.full((source.config.vocab_size,), -1, dtype=torch.long)
-    remap[vocab] = torch.arange(vocab.shape[0])
-    pad = eos_token_ids(source)[0]
+    train_data, held_out, vocab, remap, pad = split_and_vocabulary(data, source, settings)
     head = new_head(source, vocab, layers)
     untrained = agreement(head, held_out, remap, pad, settings.ttt)
     log(f"training a head over {vocab.shape[0]} draft tokens, {settings.ttt} unrolled steps "
