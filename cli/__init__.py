@@ -99,6 +99,8 @@ def _share_threads(threads: int | None) -> None:
 @click.option("--out", required=True, type=click.Path(path_type=Path), help="Bundle folder to write.")
 @click.option("--max-seq", default=1024, show_default=True, help="KV buffer length: prompt + new tokens must fit.")
 @click.option("--max-draft", default=8, show_default=True, help="Largest draft length a verify pass may carry.")
+@click.option("--max-batch", default=8, show_default=True,
+              help="Most sequences one pass may carry (the graphs' batch dimension; `serve --batch`).")
 @click.option("--for", "device", type=click.Choice(DEVICES), default="cpu", show_default=True,
               help="Where the bundle will run: cpu (ONNX Runtime), cuda (ONNX Runtime CUDA or torch), tensorrt "
                    "(standard ONNX only, checked by check-trt); sets --dtype's default.")
@@ -117,7 +119,7 @@ def _share_threads(threads: int | None) -> None:
               help="Draft graph.  [default: fused for an int8/int4 draft, else --attention]")
 @click.option("--draft-quant-scheme", type=click.Choice(QUANT_SCHEMES), default=None,
               help="int8/int4 draft.  [default: exact]")
-def export_cmd(target, draft, out, max_seq, max_draft, device, dtype, draft_dtype, prefill_chunk, attention,
+def export_cmd(target, draft, out, max_seq, max_draft, max_batch, device, dtype, draft_dtype, prefill_chunk, attention,
                quant_scheme, draft_attention, draft_quant_scheme):
     """Export TARGET (and its draft) into an ONNX bundle with in-place KV buffers."""
     from specdeploy.export import build_bundle, embedded_default
@@ -127,7 +129,7 @@ def export_cmd(target, draft, out, max_seq, max_draft, device, dtype, draft_dtyp
     build_bundle(
         target, draft, out, max_seq, max_draft, dtype, prefill_chunk, log=lambda m: click.echo(m, err=True),
         draft_dtype=draft_dtype, attention=attention, quant_scheme=quant_scheme, draft_attention=draft_attention,
-        draft_quant_scheme=draft_quant_scheme, device=device,
+        draft_quant_scheme=draft_quant_scheme, device=device, max_batch=max_batch,
     )
 
 

@@ -81,10 +81,15 @@ def _positive(value: int, key: str, where: str, most: int | None = None) -> int:
     return value
 
 
+def _max_batch(d: dict, where: str) -> int:
+    value = _take(d, "max_batch", int, where, optional=True)
+    return 1 if value is None else _positive(value, "max_batch", where, MOST["max_batch"])
+
+
 # Plausibility bounds: far beyond any model this exports, near enough to stop a tampered
 # manifest from asking for absurd loops or allocations before the memory budget is checked.
 MOST = {"num_layers": 1024, "num_kv_heads": 1024, "head_dim": 4096, "vocab_size": 1 << 22,
-        "max_seq": 1 << 20, "max_draft": 32, "ngram": 64, "eos_token_ids": 64}
+        "max_seq": 1 << 20, "max_draft": 32, "ngram": 64, "eos_token_ids": 64, "max_batch": 64}
 MANIFEST_BYTES = 16 << 20  # a manifest is a few kB; past this it is not one
 KV_DTYPES = ("float32", "float16", "bfloat16")
 ATTENTIONS = ("exact", "fused")  # see ModelSpec.attention
@@ -325,6 +330,8 @@ class Manifest:
     export_seconds: float | None = None
     device: str | None = None  # what export made it for (core DEVICES; bundles before it: None)
     format_version: int = FORMAT_VERSION  # what the file says (a version 1 bundle stays one when rewritten)
+    # sequences a pass may carry (the graphs' batch dimension B); bundles before it: 1, graphs of B = 1
+    max_batch: int = 1
 
     @classmethod
     def from_dict(cls, d: Any, where: str = MANIFEST) -> "Manifest":
@@ -365,6 +372,7 @@ class Manifest:
             export_seconds=seconds,
             device=_device(d, where),
             format_version=version,
+            max_batch=_max_batch(d, where),
         )
         manifest.check_consistent(where)
         # Every file the runtime opens is one whose checksum the manifest records.
@@ -421,6 +429,7 @@ class Manifest:
             "max_seq": self.max_seq,
             "max_draft": self.max_draft,
             "prefill_chunk": self.prefill_chunk,
+            **({"max_batch": self.max_batch} if self.max_batch > 1 else {}),
             "draft": self.draft.as_dict(),
             "models": {role: m.as_dict() for role, m in self.models.items()},
             "tokenizer": self.tokenizer.as_dict(),
@@ -481,6 +490,10 @@ class Bundle:
         return self.manifest.max_seq
 
     @property
+    def max_batch(self) -> int:
+        return self.manifest.max_batch
+
+    @property
     def max_draft(self) -> int:
         return self.manifest.max_draft
 
@@ -510,15 +523,17 @@ class Bundle:
             raise BundleError(f"bundle file {path} links outside the bundle folder; re-export the bundle")
         return path
 
-    def check_memory(self, budget: int | None = None) -> None:
-        """The KV buffers a session allocates fit `budget` bytes (default: half this machine's
-        memory), checked before anything is allocated."""
+    def check_memory(self, budget: int | None = None, sequences: int = 1) -> None:
+        """The KV buffers a session allocates (`sequences` slots of them: a batch's) fit `budget`
+        bytes (default: half this machine's memory), checked before anything is allocated."""
         budget = memory_budget() if budget is None else budget
-        need = self.manifest.kv_bytes()
+        need = self.manifest.kv_bytes() * sequences
         if need > budget:
+            many = f" for {sequences} sequences" if sequences > 1 else ""
             raise BundleError(
-                f"{self.path}: the KV buffers need {need / 2**30:.1f} GiB (max_seq {self.max_seq}), more than the "
-                f"memory budget of {budget / 2**30:.1f} GiB (half of this machine's memory); re-export with a smaller --max-seq"
+                f"{self.path}: the KV buffers{many} need {need / 2**30:.1f} GiB (max_seq {self.max_seq}), more than the "
+                f"memory budget of {budget / 2**30:.1f} GiB (half of this machine's memory); re-export with a smaller "
+                f"--max-seq{' or batch fewer' if sequences > 1 else ''}"
             )
 
 

@@ -25,7 +25,7 @@ import torch
 from specdeploy.core.errors import BundleError, ExportError
 from specdeploy.core.graph_io import AUX_HIDDEN, LOGITS_ROWS, graph_facts, io_names, kv_names
 from specdeploy.core.choices import DEVICE_DTYPE, DEVICES, DTYPES, KV_DTYPE, QUANT_SCHEMES
-from specdeploy.core.manifest import ATTENTIONS, FORMAT, MANIFEST, Manifest, ModelSpec, TokenizerEntry, checksums, file_sizes, not_exact_line, write_manifest
+from specdeploy.core.manifest import ATTENTIONS, FORMAT, MANIFEST, MOST, Manifest, ModelSpec, TokenizerEntry, checksums, file_sizes, not_exact_line, write_manifest
 
 from .architectures import architecture, check_export
 from .drafts import parse_draft
@@ -165,16 +165,19 @@ def feature_shapes(graph) -> tuple[dict, dict]:
     """The manifest's shapes of a graph's hidden-state inputs and outputs (core/graph_io.py
     FEATURE_INPUTS, FEATURE_OUTPUTS): a target's come for every row (T), a head's for the rows
     whose logits it returns (R)."""
-    outputs = {name: ["1", "T" if name == AUX_HIDDEN else "R", width] for name, width in graph.feature_outputs.items()}
-    return {name: ["1", "T", width] for name, width in graph.feature_inputs.items()}, outputs
+    b = "B"
+    outputs = {name: [b, "T" if name == AUX_HIDDEN else "R", width] for name, width in graph.feature_outputs.items()}
+    return {name: [b, "T", width] for name, width in graph.feature_inputs.items()}, outputs
 
 
 def model_entry(graph: SpecGraph, source: Source, role: str, graph_file: str, dtype: str, max_seq: int) -> ModelSpec:
+    """The manifest entry of a graph whose batch dimension B is dynamic (the bundle's max_batch
+    bounds it)."""
     cfg = source.config
     inputs, outputs = io_names(graph.num_layers)
     feature_in, feature_out = feature_shapes(graph)
     kv_inputs = [name for name, _ in kv_names(graph.num_layers)]
-    kv_shape = [1, graph.num_kv_heads, max_seq, graph.head_dim]
+    kv_shape = ["B", graph.num_kv_heads, max_seq, graph.head_dim]
     return ModelSpec(
         role=role,
         graph=graph_file,
@@ -193,15 +196,15 @@ def model_entry(graph: SpecGraph, source: Source, role: str, graph_file: str, dt
         sliding_window=model_window(cfg, max_seq),
         parameters=sum(p.numel() for p in graph.parameters()),
         inputs={
-            "input_ids": ["1", "T"],
-            "position_ids": ["1", "T"],
-            "write_indices": ["1"],
-            "attention_mask": ["1", "1", "T", "L"],
+            "input_ids": ["B", "T"],
+            "position_ids": ["B", "T"],
+            "write_indices": ["B"],
+            "attention_mask": ["B", "1", "T", "L"],
             **{name: kv_shape for name in kv_inputs},
             LOGITS_ROWS: ["R"],
             **feature_in,
         },
-        outputs={"logits": ["1", "R", cfg.vocab_size], **{name: kv_shape for name in outputs[1:]}, **feature_out},
+        outputs={"logits": ["B", "R", cfg.vocab_size], **{name: kv_shape for name in outputs[1:]}, **feature_out},
         kv_aliases={o: i for i, o in zip(kv_inputs, outputs[1:])},
         # a restricted head: logits of other tokens are -inf
         head_vocab=int(graph.head_vocab.shape[0]) if graph.head_vocab is not None else None,
@@ -212,6 +215,7 @@ def model_entry(graph: SpecGraph, source: Source, role: str, graph_file: str, dt
 def _export_model(
     graph: SpecGraph, source: Source, *, work: Path, role: str, dtype: str, attention: str, max_seq: int,
     max_draft: int, prefill_chunk: int, full_model: bool, log: Callable[[str], None], device: str = "cpu",
+    max_batch: int = 1,
 ) -> ModelSpec:
     graph_file = f"{role}.onnx"
     t0 = time.perf_counter()
@@ -225,7 +229,7 @@ def _export_model(
     # quantized graphs, on which it takes minutes and which ONNX Runtime folds at load)
     fold = not (graph.contrib_ops or (quantized and not standard))
     forms = export_onnx(graph, work / graph_file, max_seq, TORCH_DTYPE[dtype], optimize=fold,
-                        facts=graph_facts(spec), standard_quant=quantized and standard)
+                        facts=graph_facts(spec), standard_quant=quantized and standard, max_batch=max(max_batch, 2))
     if forms is not None:
         graph.quantization = {**graph.quantization, "method": "weight-only, blocked DequantizeLinear + MatMul",
                               "dequantize_linear": forms}
@@ -353,6 +357,7 @@ def build_bundle(
     draft_attention: str | None = None,
     draft_quant_scheme: str | None = None,
     device: str = "cpu",
+    max_batch: int = 8,
 ) -> Manifest:
     """Export a target (and its draft) into the bundle folder `out`; returns the manifest.
     `dtype`, `attention` and `quant_scheme` are the target's; the draft model's default to
@@ -393,6 +398,8 @@ def build_bundle(
         raise ExportError(f"--max-seq {max_seq}: expected 2..131072")
     if not 1 <= max_draft <= 32 or max_draft >= max_seq:
         raise ExportError(f"--max-draft {max_draft}: expected 1..32 and below --max-seq")
+    if not 1 <= max_batch <= MOST["max_batch"]:
+        raise ExportError(f"--max-batch {max_batch}: expected 1..{MOST['max_batch']}")
     if prefill_chunk is None:
         prefill_chunk = min(PREFILL_CHUNK, max_seq)
     if not 1 <= prefill_chunk <= max_seq:
@@ -411,6 +418,7 @@ def build_bundle(
     recipe.prepare(target_source, log)
     with atomic_folder(out, log) as work:
         common = dict(work=work, max_seq=max_seq, max_draft=max_draft, prefill_chunk=prefill_chunk, log=log)
+        batched = dict(max_batch=max_batch)
 
         def export_model(source: Source, model_dtype: str, role: str = "draft", num_layers: int | None = None,
                          full_model: bool = True, head=None) -> ModelSpec:
@@ -438,7 +446,7 @@ def build_bundle(
             graph = source_graph(source, model_dtype, num_layers, scheme, "none" if device == "tensorrt" else None,
                                  getattr(recipe, "aux_layers", None) if role == "target" else None)
             return _export_model(graph, source, role=role, dtype=model_dtype, attention=model_attention,
-                                 full_model=full_model, device=device, **common)
+                                 full_model=full_model, device=device, **common, **batched)
 
         models = {"target": export_model(target_source, dtype, role="target")}
         draft_model = recipe.export(target_source, draft_dtype, export_model)
@@ -450,6 +458,7 @@ def build_bundle(
             max_seq=max_seq,
             max_draft=max_draft,
             prefill_chunk=prefill_chunk,
+            max_batch=max_batch,
             draft=recipe.entry(),
             models=models,
             tokenizer=tokenizer_entry(target_source, work),

@@ -43,14 +43,17 @@ PARITY_TEXT = (
 )
 
 
-def kv_buffers(graph: SpecGraph, max_seq: int, dtype: torch.dtype) -> list[torch.Tensor]:
-    shape = (1, graph.num_kv_heads, max_seq, graph.head_dim)
+def kv_buffers(graph: SpecGraph, max_seq: int, dtype: torch.dtype, batch: int = 1) -> list[torch.Tensor]:
+    shape = (batch, graph.num_kv_heads, max_seq, graph.head_dim)
     return [torch.zeros(shape, dtype=dtype) for _ in range(2 * graph.num_layers)]
 
 
 def export_onnx(graph: SpecGraph, path: Path, max_seq: int, kv_dtype: torch.dtype, optimize: bool = True,
-                facts: dict | None = None, standard_quant: bool = False) -> dict[str, int] | None:
-    """Export with torch.onnx (dynamo), name the dynamic dims T and L, run onnx.checker.
+                facts: dict | None = None, standard_quant: bool = False, max_batch: int = 1) -> dict[str, int] | None:
+    """Export with torch.onnx (dynamo), name the dynamic dims B, T and L, run onnx.checker.
+
+    `max_batch` > 1: the batch dimension B (sequences per pass, each with its own KV slot,
+    write index and mask) is dynamic, 1..max_batch; 1 keeps it fixed at 1 (an EAGLE-3 head).
 
     `standard_quant`: each MatMulNBits rewritten as DequantizeLinear + MatMul (export/qdq.py);
     returns how many weights became INT4 and INT8 (None without it).
@@ -61,26 +64,30 @@ def export_onnx(graph: SpecGraph, path: Path, max_seq: int, kv_dtype: torch.dtyp
     import onnx
 
     t = 3
+    b = 2 if max_batch > 1 else 1  # an example of 2: a dim of 1 would be fixed at 1
     example = (
-        torch.zeros((1, t), dtype=torch.int64),
-        torch.arange(t)[None],
-        torch.zeros(1, dtype=torch.int64),
-        torch.zeros((1, 1, t, t), dtype=torch.float32),
-        kv_buffers(graph, max_seq, kv_dtype),
+        torch.zeros((b, t), dtype=torch.int64),
+        torch.arange(t)[None].expand(b, t).contiguous(),
+        torch.zeros(b, dtype=torch.int64),
+        torch.zeros((b, 1, t, t), dtype=torch.float32),
+        kv_buffers(graph, max_seq, kv_dtype, b),
         torch.tensor([0, 2]),  # logits_rows: R = 2 of T = 3, so that the exporter ties neither to the other
-        *(torch.zeros((1, t, width)) for width in graph.feature_inputs.values()),  # an EAGLE-3 head's states
+        *(torch.zeros((b, t, width)) for width in graph.feature_inputs.values()),  # an EAGLE-3 head's states
     )
     dim_t = torch.export.Dim("T", min=1, max=max_seq)
     dim_l = torch.export.Dim("L", min=1, max=max_seq)
     dim_r = torch.export.Dim("R", min=1, max=max_seq)
+    batched = max_batch > 1
+    dim_b = torch.export.Dim("B", min=1, max=max_batch) if batched else None
+    first = {0: dim_b} if batched else {}
     dynamic = {
-        "input_ids": {1: dim_t},
-        "position_ids": {1: dim_t},
-        "write_indices": None,
-        "attention_mask": {2: dim_t, 3: dim_l},
-        "past": [None] * (2 * graph.num_layers),
+        "input_ids": {**first, 1: dim_t},
+        "position_ids": {**first, 1: dim_t},
+        "write_indices": first or None,
+        "attention_mask": {**first, 2: dim_t, 3: dim_l},
+        "past": [first or None] * (2 * graph.num_layers),
         "logits_rows": {0: dim_r},
-        **{name: {1: dim_t} for name in graph.feature_inputs},
+        **{name: {**first, 1: dim_t} for name in graph.feature_inputs},
     }
     inputs, outputs = io_names(graph.num_layers, True, tuple(graph.feature_inputs), tuple(graph.feature_outputs))
     with warnings.catch_warnings(), _quiet_exporter():
@@ -118,10 +125,12 @@ def export_onnx(graph: SpecGraph, path: Path, max_seq: int, kv_dtype: torch.dtyp
 
 
 def _name_dims(model) -> None:
-    """Give the exporter's symbolic dims the contract's names: T (tokens), L (window) and R
-    (logit rows)."""
+    """Give the exporter's symbolic dims the contract's names: B (sequences), T (tokens), L
+    (window) and R (logit rows)."""
     graph_inputs = {i.name: i for i in model.graph.input}
+    batch = graph_inputs["input_ids"].type.tensor_type.shape.dim[0].dim_param
     rename = {
+        **({batch: "B"} if batch else {}),
         graph_inputs["input_ids"].type.tensor_type.shape.dim[1].dim_param: "T",
         graph_inputs["attention_mask"].type.tensor_type.shape.dim[3].dim_param: "L",
         graph_inputs[LOGITS_ROWS].type.tensor_type.shape.dim[0].dim_param: "R",

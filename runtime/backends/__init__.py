@@ -106,4 +106,20 @@ def make_engine(backend: "str | BackendChoice", bundle, spec, threads: int | Non
     return engine_class(choice.name).from_bundle(bundle, spec, threads=threads, **choice.engine_options())
 
 
-__all__ = ["BACKENDS", "Backend", "BackendChoice", "Device", "DeviceError", "Engine", "engine_class", "make_engine"]
+def make_batch_engine(backend: str, bundle, batch: int, threads: int | None = None, device: str | None = None):
+    """The bundle's target over `batch` KV slots (runtime/decoding/batch.py): ONNX Runtime on the
+    CPU, or the torch backend (CPU or CUDA)."""
+    choice = BackendChoice.of(backend, device)
+    spec = bundle.model("target")
+    if choice.name == "ort":
+        if choice.device is not None and choice.device.kind != "cpu":
+            raise InputError("batched passes on ONNX Runtime run on the CPU; on a GPU use --backend torch")
+        from .ort_batch import OrtBatchEngine
+
+        return OrtBatchEngine(bundle.file(spec.graph), spec, bundle.max_seq, batch, threads)
+    if choice.name == "torch":
+        return engine_class("torch").batched(bundle, spec, batch, threads=threads, **choice.engine_options())
+    raise InputError(f"backend {choice.name!r} runs one sequence per pass; batched serving takes --backend ort or torch")
+
+
+__all__ = ["BACKENDS", "Backend", "BackendChoice", "Device", "DeviceError", "Engine", "engine_class", "make_batch_engine", "make_engine"]

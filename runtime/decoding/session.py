@@ -144,7 +144,86 @@ class Generation:
                 self._on_end()
 
 
-class Session:
+def text_pieces(rounds: Iterator[np.ndarray], tokenizer: Tokenizer, stop, eos_token_ids, met: dict) -> Iterator[Piece]:
+    """A generation's committed tokens, round by round, as text pieces (valid UTF-8 each), cut
+    at the first stop string; `met` records whether the rounds met a stop string or an EOS
+    (the finish reason's facts)."""
+    stops = StopMatcher(list(stop))
+    text = TextStream(tokenizer)
+    for new in rounds:
+        met["eos"] = int(new[-1]) in eos_token_ids  # the loop's last round ends at its first EOS
+        out, met["stop"] = stops.feed(text.push(new))
+        if met["stop"]:
+            rounds.close()
+            yield Piece(out, new.tolist())
+            return
+        yield Piece(out, new.tolist())
+    out, met["stop"] = stops.feed(text.flush())
+    out += "" if met["stop"] else stops.flush()
+    if out:
+        yield Piece(out, [])
+
+
+class Prompts:
+    """What turns a request into prompt token ids under a bundle's limits: shared by `Session`
+    and the batched scheduler (runtime/decoding/batch.py). Needs `bundle`, `tokenizer` and a
+    `target` with `vocab_size`."""
+
+    # -- prompt handling -------------------------------------------------------------
+    def encode(self, prompt: str, chat: bool = False) -> list[int]:
+        check_text(prompt, "the prompt")
+        return self.tokenizer.encode_chat(prompt) if chat else self.tokenizer.encode(prompt)
+
+    def encode_messages(self, messages: list[dict[str, str]], allow_special_in_content: bool = False) -> list[int]:
+        """A whole chat (system / user / assistant turns) through the chat template. Special-token
+        text inside a message stays text (a user cannot forge a turn) unless allowed."""
+        for i, m in enumerate(messages):
+            check_text(m["role"], f"messages[{i}].role")
+            check_text(m["content"], f"messages[{i}].content")
+        return self.tokenizer.encode_messages(messages, add_generation_prompt=True,
+                                              allow_special_in_content=allow_special_in_content)
+
+    # -- requests ------------------------------------------------------------------------
+    @functools.cached_property
+    def limits(self) -> Limits:
+        """What this session's requests are checked against (the request schema's Limits)."""
+        return Limits.of(self)
+
+    def prepare(self, req: Request, labels: Mapping[str, str] = WORDS) -> Request:
+        """A validated request with its prompt as token ids (through the chat template when it
+        asks) and its new tokens resolved, checked against the max sequence (request.fit);
+        errors name the fields as `labels` does."""
+        if req.prompt_ids is not None:
+            ids = req.prompt_ids
+        elif req.messages is not None:
+            ids = self.encode_messages([m._asdict() for m in req.messages])
+        else:
+            ids = self.encode(req.prompt, req.chat)
+        return fit(req, ids, self.limits, labels)
+
+    def request(self, prompt: str | None = None, *, prompt_ids=None, chat: bool = False, max_new_tokens: int = 128,
+                draft_len: int | str | None = "auto", speculate: bool = True, temperature: float = 0.0, top_k: int = 0,
+                top_p: float = 1.0, seed: int | None = None, stop: list[str] | tuple[str, ...] = (),
+                tree_nodes: int | str | None = "auto", private: bool = False) -> Request:
+        """`stream`'s arguments as a Request, checked by the request schema (what a server refuses,
+        this refuses)."""
+        req = validate(dict(
+            prompt=prompt, prompt_ids=None if prompt_ids is None else _as_ids(prompt_ids), chat=chat,
+            max_new_tokens=max_new_tokens, draft_len=_auto_or_int(draft_len, "draft_len"), speculate=speculate,
+            temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, stop=stop,
+            tree_nodes=_auto_or_int(tree_nodes, "tree_nodes"), private=private,
+        ), self.limits)
+        return req
+
+    def check_request(self, prompt_ids: np.ndarray, max_new_tokens: int, draft_len: int) -> None:
+        """What `stream` checks of prompt token ids, new tokens and a draft length."""
+        req = validate(dict(prompt_ids=_as_ids(prompt_ids), max_new_tokens=max_new_tokens, draft_len=draft_len),
+                       self.limits)
+        self.prepare(req)
+
+
+
+class Session(Prompts):
     """A bundle loaded once, with its engines' buffers allocated once.
 
     A session runs one generation at a time (its KV buffers are its state). Starting a second
@@ -219,44 +298,6 @@ class Session:
         twin._current = None
         return twin
 
-    # -- prompt handling -------------------------------------------------------------
-    def encode(self, prompt: str, chat: bool = False) -> list[int]:
-        check_text(prompt, "the prompt")
-        return self.tokenizer.encode_chat(prompt) if chat else self.tokenizer.encode(prompt)
-
-    def encode_messages(self, messages: list[dict[str, str]], allow_special_in_content: bool = False) -> list[int]:
-        """A whole chat (system / user / assistant turns) through the chat template. Special-token
-        text inside a message stays text (a user cannot forge a turn) unless allowed."""
-        for i, m in enumerate(messages):
-            check_text(m["role"], f"messages[{i}].role")
-            check_text(m["content"], f"messages[{i}].content")
-        return self.tokenizer.encode_messages(messages, add_generation_prompt=True,
-                                              allow_special_in_content=allow_special_in_content)
-
-    # -- requests ------------------------------------------------------------------------
-    @functools.cached_property
-    def limits(self) -> Limits:
-        """What this session's requests are checked against (the request schema's Limits)."""
-        return Limits.of(self)
-
-    def prepare(self, req: Request, labels: Mapping[str, str] = WORDS) -> Request:
-        """A validated request with its prompt as token ids (through the chat template when it
-        asks) and its new tokens resolved, checked against the max sequence (request.fit);
-        errors name the fields as `labels` does."""
-        if req.prompt_ids is not None:
-            ids = req.prompt_ids
-        elif req.messages is not None:
-            ids = self.encode_messages([m._asdict() for m in req.messages])
-        else:
-            ids = self.encode(req.prompt, req.chat)
-        return fit(req, ids, self.limits, labels)
-
-    def check_request(self, prompt_ids: np.ndarray, max_new_tokens: int, draft_len: int) -> None:
-        """What `stream` checks of prompt token ids, new tokens and a draft length."""
-        req = validate(dict(prompt_ids=_as_ids(prompt_ids), max_new_tokens=max_new_tokens, draft_len=draft_len),
-                       self.limits)
-        self.prepare(req)
-
     # -- generation ----------------------------------------------------------------------
     def stream(
         self,
@@ -288,13 +329,10 @@ class Session:
         The arguments are checked by the request schema (runtime/decoding/request.py) before
         anything else: what a server refuses, this refuses.
         """
-        req = validate(dict(
-            prompt=prompt, prompt_ids=None if prompt_ids is None else _as_ids(prompt_ids), chat=chat,
-            max_new_tokens=max_new_tokens, draft_len=_auto_or_int(draft_len, "draft_len"), speculate=speculate,
-            temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, stop=stop,
-            tree_nodes=_auto_or_int(tree_nodes, "tree_nodes"), private=private,
-        ), self.limits)
-        return self.start(req)
+        return self.start(self.request(
+            prompt, prompt_ids=prompt_ids, chat=chat, max_new_tokens=max_new_tokens, draft_len=draft_len,
+            speculate=speculate, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, stop=stop,
+            tree_nodes=tree_nodes, private=private))
 
     def start(self, req: Request) -> Generation:
         """Start the generation of a request `validate` passed against this session's limits (a
@@ -351,23 +389,8 @@ class Session:
         settings = DecodeSettings(max_new_tokens, self.eos_token_ids, self.bundle.prefill_chunk, params, lengths, tree,
                                   None if req.private else self.cache)
         rounds = decode(self.target, drafter, ids, settings, stats)
-        stops = StopMatcher(list(stop))
         met = {"stop": False, "eos": False}  # what the rounds met, for the finish reason
-
-        def pieces() -> Iterator[Piece]:
-            text = TextStream(self.tokenizer)
-            for new in rounds:
-                met["eos"] = int(new[-1]) in settings.eos_token_ids  # the loop's last round ends at its first EOS
-                out, met["stop"] = stops.feed(text.push(new))
-                if met["stop"]:
-                    rounds.close()
-                    yield Piece(out, new.tolist())
-                    return
-                yield Piece(out, new.tolist())
-            out, met["stop"] = stops.feed(text.flush())
-            out += "" if met["stop"] else stops.flush()
-            if out:
-                yield Piece(out, [])
+        pieces = functools.partial(text_pieces, rounds, self.tokenizer, stop, settings.eos_token_ids, met)
 
         def finish(cancelled: bool) -> str:
             return finish_reason(cancelled=cancelled, **met)

@@ -1,0 +1,131 @@
+"""Batched passes on ONNX Runtime's CPU provider: one pass carries B sequences, each in a KV
+slot of its own (docs/design.md, "Batched passes").
+
+The KV buffers are allocated once, [max_batch, Hkv, S, D] per layer, zero-filled. A slot is
+one sequence's [Hkv, S, D] block, contiguous, so any run of neighbouring slots is itself a
+buffer of the graph contract's shape: a batched pass binds slots 0..B-1 as [B, Hkv, S, D]
+at the buffer's start, and one sequence's prefill binds its slot alone as [1, Hkv, S, D] at
+its offset. The scheduler keeps the running sequences in slots 0..B-1 (`swap` moves a
+sequence's K/V between slots when one leaves).
+
+Each sequence has its own write index and mask rows: row i of sequence b is at position
+start_b + i and sees slots 0..start_b + i of its own slot. The window L is the longest
+sequence's start + T; for a shorter one the extra slots are masked (-inf) and add exact
+zeros. So a sequence's logits in a batch equal its logits alone, bit for bit: every row is
+computed from its own slot, and the graph's matmuls compute rows independently (the exact
+graphs' verify rows equal single steps, docs/backends.md).
+"""
+from __future__ import annotations
+
+import numpy as np
+import onnxruntime as ort
+
+from specdeploy.core.errors import BundleError, InputError
+from specdeploy.core.graph_io import LOGITS_ROWS, check_pass, fill_mask
+from specdeploy.core.manifest import ModelSpec
+
+from .ort import Placement, _allocate, _load, _reason, no_bfloat16
+from specdeploy.core.choices import NUMPY_DTYPES
+
+
+def batch_dim(session: ort.InferenceSession) -> int | str:
+    """The graph's batch dimension: "B" where it is dynamic, else its fixed size."""
+    dim = session.get_inputs()[0].shape[0]
+    return dim if isinstance(dim, int) else "B"
+
+
+class OrtBatchEngine:
+    """One graph of a bundle run over `max_batch` KV slots, on the CPU."""
+
+    def __init__(self, graph_path, spec: ModelSpec, max_seq: int, max_batch: int, threads: int | None = None,
+                 session: ort.InferenceSession | None = None):
+        if spec.dtype not in NUMPY_DTYPES:
+            raise InputError(no_bfloat16(spec, graph_path.name, "ONNX Runtime"))
+        if session is None:
+            session, _ = _load(graph_path, spec, max_seq, threads, spec.role != "draft", Placement())
+        if batch_dim(session) != "B":
+            raise BundleError(f"{graph_path}: its graph carries one sequence per pass (exported before batched "
+                              "passes); re-export the bundle to batch")
+        if spec.feature_inputs or spec.feature_outputs:
+            raise InputError(f"{graph_path.name}: an EAGLE-3 bundle runs one sequence per pass; batched serving "
+                             "takes a bundle with an ngram, suffix or no draft")
+        self.spec, self.session, self.graph_path = spec, session, graph_path
+        self.name = f"{spec.role} ({graph_path.name})"
+        self.max_seq, self.max_batch, self.vocab_size = max_seq, max_batch, spec.vocab_size
+        self.device = "cpu"
+        shape = (max_batch, spec.num_kv_heads, max_seq, spec.head_dim)
+        self.kv = [np.zeros(shape, dtype=spec.kv_dtype) for _ in spec.kv_names]  # host buffers, written in place
+        self.slot_bytes = self.kv[0][0].nbytes
+        self._bindings: dict[tuple[int, int], ort.IOBinding] = {}  # (first slot, B) -> KV bound once
+        self._logits = np.zeros((max_batch, 1, spec.logits_width), np.float32)  # grown on demand (T rows)
+        self.passes = 0
+        self.rows = 0  # rows computed, padding included
+
+    @property
+    def kv_bytes_per_sequence(self) -> int:
+        """What one more sequence (one slot) adds: its K/V over every layer."""
+        return self.slot_bytes * len(self.kv)
+
+    def _binding(self, first: int, b: int) -> ort.IOBinding:
+        key = (first, b)
+        binding = self._bindings.get(key)
+        if binding is None:
+            binding = self._bindings[key] = self.session.io_binding()
+            shape = [b, *self.kv[0].shape[1:]]
+            for (inp, out), buffer in zip(self.spec.kv_names, self.kv):
+                address = buffer.ctypes.data + first * self.slot_bytes
+                binding.bind_input(inp, "cpu", 0, buffer.dtype, shape, address)
+                binding.bind_output(out, "cpu", 0, buffer.dtype, shape, address)
+        return binding
+
+    def forward(self, tokens: np.ndarray, starts: np.ndarray, first: int = 0, last: bool = False) -> np.ndarray:
+        """tokens [B, T] written at slots first..first+B-1, sequence b at positions starts[b]..
+        starts[b]+T-1 -> logits [B, T, V] (`last`: [B, 1, V], each sequence's last row only).
+        The array is this engine's buffer: valid until the next pass."""
+        tokens = np.ascontiguousarray(tokens, dtype=np.int64)
+        starts = np.ascontiguousarray(starts, dtype=np.int64)
+        b, t = tokens.shape
+        if not (1 <= b and first + b <= self.max_batch) or starts.shape != (b,):
+            raise InputError(f"{self.name}: a pass of {b} sequences at slot {first} does not fit {self.max_batch} "
+                             f"slots (starts {starts.shape})")
+        for i in range(b):
+            check_pass(self.name, tokens[i], int(starts[i]), self.max_seq, self.vocab_size)
+        window = int(starts.max()) + t
+        mask = np.empty((b, 1, t, window), np.float32)
+        for i in range(b):
+            fill_mask(mask[i, 0], int(starts[i]), self.spec.sliding_window)
+        positions = starts[:, None] + np.arange(t, dtype=np.int64)
+        rows = 1 if last else t
+        width = self.spec.logits_width
+        if self._logits.size < b * rows * width:
+            self._logits = np.zeros((self.max_batch, rows, width), np.float32)
+        logits = self._logits.reshape(-1)[: b * rows * width].reshape(b, rows, width)
+        binding = self._binding(first, b)
+        binding.bind_cpu_input("input_ids", tokens)
+        binding.bind_cpu_input("position_ids", positions)
+        binding.bind_cpu_input("write_indices", starts)
+        binding.bind_cpu_input("attention_mask", mask)
+        if self.spec.logits_rows:
+            binding.bind_cpu_input(LOGITS_ROWS, np.arange(t - rows, t, dtype=np.int64))
+        binding.bind_output("logits", "cpu", 0, np.float32, [b, rows, width], logits.ctypes.data)
+        try:
+            self.session.run_with_iobinding(binding)
+        except RuntimeError as e:
+            raise BundleError(f"{self.name}: ONNX Runtime failed a pass of {b}x{t} tokens ({_reason(e)})") from None
+        self.passes += 1
+        self.rows += b * t
+        return logits
+
+    def swap(self, a: int, b: int, length_a: int, length_b: int) -> None:
+        """Exchange the K/V of slots a and b: the first length_a slots of a's, length_b of b's."""
+        if a == b:
+            return
+        for buffer in self.kv:
+            keep = buffer[a, :, :length_a].copy()
+            buffer[a, :, :length_b] = buffer[b, :, :length_b]
+            buffer[b, :, :length_a] = keep
+
+
+def slot_memory(spec: ModelSpec, max_seq: int) -> int:
+    """Bytes of K/V one sequence adds to a batch (every layer, key and value, max_seq slots)."""
+    return spec.kv_bytes(max_seq)

@@ -1,0 +1,628 @@
+"""Many requests, one pass: continuous batching over a batched engine (docs/design.md,
+"Batched passes").
+
+`BatchSession` runs every active request ("lane") through one target pass per round. A
+request joins at a round boundary (its prompt prefilled in its own KV slot, a chunk between
+rounds while others decode) and leaves when it finishes, meets a stop string, or is
+cancelled or closed; its slot is free for the next round. Each lane keeps its own sampling
+parameters, seed, stop strings, draft length and drafter state, and its output is the one
+`Session` gives for the same request alone, token for token:
+
+- its rows of a pass are computed from its own slot only (runtime/backends/ort_batch.py);
+- a lane's rows of a verify pass are its own round's, the rest of the pass's T rows are
+  padding: after its rows, or where the buffer has no room after them, before them,
+  recomputing tokens it already holds (the same K/V, written again where they were);
+- a greedy lane's output does not depend on how many tokens it drafts, so the batch's
+  policy (BatchPolicy) chooses that; a sampled lane's draft lengths follow its own policy,
+  exactly as alone, so a seeded request replays whatever else is in the batch.
+
+Drafting: model-free drafters (ngram, suffix) propose per lane on the host; the batch's
+verify pass is T = 1 + the longest draft verified. BatchPolicy prices a pass of T tokens for
+B lanes from passes measured at that B, and turns speculation down, or off, as B grows.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import queue
+import threading
+import time
+import weakref
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+
+from specdeploy.core.errors import BundleError, InputError, SpecdeployError
+from specdeploy.core.manifest import Bundle, load_bundle
+
+from specdeploy.runtime.decoding.accept import accept_chain, accept_path
+from specdeploy.runtime.decoding.drafters import drafter_class, make_drafter
+from specdeploy.runtime.decoding.engine import Checked
+from specdeploy.runtime.decoding.loop import EMPTY_TREE, check_finite
+from specdeploy.runtime.decoding.policy import PassCost, Probes, TreeSize
+from specdeploy.runtime.decoding.request import Request
+from specdeploy.runtime.decoding.sampling import SamplingParams
+from specdeploy.runtime.decoding.session import Generation, Prompts, Result, Session, text_pieces
+from specdeploy.runtime.decoding.stats import Round, Stats, finish_reason
+from specdeploy.runtime.decoding.tokenizer import Tokenizer
+from specdeploy.runtime.decoding.tree import DraftTree
+
+log = logging.getLogger("specdeploy.runtime")
+
+POLL_SECONDS = 0.05  # how often a waiting request looks at its cancel event
+
+
+class Overloaded(SpecdeployError):
+    """Every slot is busy and the wait queue is full."""
+
+
+class QueueTimeout(Overloaded):
+    """No slot came free within `wait_seconds`."""
+
+
+class Cancelled(SpecdeployError):
+    """The request was cancelled (its client left, or the scheduler shut down) while it waited."""
+
+
+class BatchPolicy:
+    """How wide the batch's verify pass is: T = 1 (plain steps) or 1 + the drafts verified.
+
+    For the lanes whose draft length is the runtime's to choose (greedy, `auto`), a pass of T
+    tokens commits, for lane b, 1 + the sum over its first min(chain_b, T - 1) looked-up tokens
+    of the chance each holds (measured per lane, per rank: TreeSize.estimates). It costs
+    v_B(T), fitted over the passes measured at this batch size B (PassCost): a wide pass is
+    nearly free at B = 1 on memory-bound hardware, and B times the rows at B = 8. The policy
+    takes the T with the most tokens per second, and plain steps unless that beats them by
+    PAYS, with a probe of T = 2 now and then (Probes). Lanes with a pinned draft length, and
+    sampled lanes, set the least T (their rounds are their own); the policy may widen it.
+    """
+
+    PAYS = TreeSize.PAYS
+    PRIOR_SLOPE = 0.05  # the extra cost of a token per lane, relative to a plain pass, before any is measured
+
+    def __init__(self, max_draft: int):
+        self.max_draft = max_draft
+        self.costs: dict[int, PassCost] = {}
+        self.probes = Probes()
+
+    def cost(self, lanes: int) -> PassCost:
+        c = self.costs.get(lanes)
+        if c is None:
+            c = self.costs[lanes] = PassCost(prior_slope=self.PRIOR_SLOPE * lanes, max_tokens=self.max_draft + 1)
+        return c
+
+    def choose(self, lanes: int, least: int, chains: list[tuple[int, np.ndarray]]) -> int:
+        """The pass's T: `least` the lanes that choose for themselves need; `chains` the (length,
+        per-rank acceptance) of each lane the policy drafts for."""
+        longest = max((n for n, _ in chains), default=0)
+        if longest == 0 or least > longest:
+            return least
+        cost = self.cost(lanes)
+        if not cost.measured:
+            return least  # a pass at the least T first: the cost's fit starts from it
+        ts = np.arange(least, longest + 2)
+        tokens = np.zeros(ts.shape[0])
+        for n, holds in chains:
+            gained = np.concatenate([[0.0], np.cumsum(holds)])
+            tokens += 1.0 + gained[np.minimum(ts - 1, n)]
+        rates = tokens / cost.seconds(ts)
+        best = int(rates.argmax())
+        if least == 1 and best > 0 and rates[best] < self.PAYS * rates[0]:
+            best = 0
+        if least == 1 and best == 0:
+            return 2 if self.probes.due() else 1
+        return int(ts[best])
+
+    def update(self, lanes: int, t: int, seconds: float, drafted: bool, held: bool) -> None:
+        self.cost(lanes).add(t, seconds)
+        if drafted:
+            self.probes.settle(held)
+
+
+@dataclass
+class Lane:
+    """One request in the batch: its tokens, its place in the KV slots, its own policy."""
+
+    req: Request
+    ids: np.ndarray  # prompt + room for every new token
+    n: int  # prompt tokens
+    params: SamplingParams
+    rng: np.random.Generator
+    drafter: object | None  # a fork of the bundle's model-free drafter; None: plain steps
+    sizes: TreeSize | None  # per-rank acceptance (greedy auto), or a sampled lane's own policy
+    fixed: int | None  # a pinned draft length
+    stats: Stats = field(default_factory=Stats)
+    out: "queue.SimpleQueue" = field(default_factory=queue.SimpleQueue)
+    admitted: threading.Event = field(default_factory=threading.Event)
+    leave: threading.Event = field(default_factory=threading.Event)  # cancelled or closed: drop at the next round
+    slot: int = -1
+    prefilled: int = 0  # prompt tokens whose K/V the slot holds
+    end: int = 0  # committed tokens: ids[:end]
+    started: float = 0.0
+    dropped: bool = False  # ended before its rounds ran out
+    # this round's plan
+    tokens: np.ndarray | None = None  # the drafts to verify (chain) or candidates (sampled tree lanes)
+    tree: DraftTree | None = None
+
+    @property
+    def ready(self) -> bool:
+        return self.prefilled >= self.n - 1
+
+    @property
+    def kv_length(self) -> int:
+        """Slots of its KV worth keeping: every committed token but the last, or the prompt so far."""
+        return max(self.end - 1, self.prefilled)
+
+    @property
+    def greedy_auto(self) -> bool:
+        return self.params.greedy and self.drafter is not None and self.fixed is None
+
+
+_END = object()  # the lane's queue: no more rounds
+
+
+class BatchSession(Prompts):
+    """A bundle loaded once and served to many requests at a time: up to `batch` run in one
+    pass per round, up to `max_queue` more wait for a slot.
+
+    The Python API mirrors `Session` (`stream`, `generate`, `start`) and `SessionPool`
+    (`check_capacity`, `shutdown`, `reopen`, `in_flight`, `waiting`): what `serve --batch` and
+    the Triton model run on. A scheduler thread runs the rounds; each generation reads its
+    pieces from it, and its text (stop strings, UTF-8 pieces) is made in the reader's thread.
+    """
+
+    def __init__(self, bundle: str | Path | Bundle, batch: int = 4, max_queue: int = 8, threads: int | None = None,
+                 backend: str = "ort", device: str | None = None, wait_seconds: float | None = None,
+                 prompt_cache: bool = True, verify: bool = True, digest: str | None = None):
+        from specdeploy.runtime.backends import make_batch_engine
+
+        self.bundle = bundle if isinstance(bundle, Bundle) else load_bundle(bundle, verify=verify, digest=digest)
+        b = self.bundle
+        if not 1 <= batch <= b.max_batch:
+            raise InputError(f"batch {batch}: this bundle's graphs carry 1..{b.max_batch} sequences a pass (its "
+                             f"max_batch); re-export with --max-batch {batch} to batch more")
+        b.check_memory(sequences=batch)
+        self.tokenizer = Tokenizer(b.file(b.tokenizer.file), b.tokenizer)
+        self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids)
+        self.target = make_batch_engine(backend, b, batch, threads, device)
+        kind = b.draft_kind
+        self.drafter = None
+        if kind != "none":
+            cls = drafter_class(kind)
+            if getattr(cls, "engine", "graph") is None:  # a model-free lookup: per lane, on the host
+                self.drafter = make_drafter(b, "ort", threads)
+            else:
+                log.warning(f"{b.path}: its {kind} draft runs one sequence per pass; batched rounds decode without "
+                            "it (plain steps, the same output)")
+        self.batch = batch
+        self.max_queue = max_queue
+        self.wait_seconds = wait_seconds
+        self.prompt_cache = prompt_cache
+        self.policy = BatchPolicy(b.max_draft)
+        self._auto: TreeSize | None = None  # the last greedy auto lane's estimates: the next starts from them
+        self._lock = threading.Condition()
+        self._pending: list[Lane] = []  # admitted to wait, not yet in a slot
+        self._lanes: list[Lane] = []  # in slots 0..len-1: the ready lanes first, then those prefilling
+        self._held: list[tuple[np.ndarray, int] | None] = [None] * batch  # a free slot's tokens and their K/V length
+        self.waiting = 0
+        self.closing = threading.Event()
+        self._stop = False
+        self._thread: threading.Thread | None = None
+        self.rounds = 0
+        self.error: BaseException | None = None
+
+    # -- the pool's face ---------------------------------------------------------------------
+    @property
+    def capacity(self) -> int:
+        return self.batch
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._lanes)
+
+    @property
+    def session(self) -> "BatchSession":
+        """For read-only work (encoding, limits), as SessionPool.session."""
+        return self
+
+    @property
+    def memory_per_sequence(self) -> int:
+        """Bytes of KV buffer each slot holds (what one more sequence in the batch costs)."""
+        return self.target.kv_bytes_per_sequence
+
+    def _refuse_if_full(self) -> None:
+        if len(self._lanes) + len(self._pending) >= self.batch and self.waiting >= self.max_queue:
+            raise Overloaded(f"server busy: {self.batch} sequence(s) in the batch and {self.waiting} request(s) "
+                             f"waiting (queue limit {self.max_queue}); retry later")
+
+    def check_capacity(self) -> None:
+        with self._lock:
+            self._refuse_if_full()
+
+    def stream(self, prompt: str | None = None, cancel: threading.Event | None = None, **kwargs) -> Generation:
+        """As Session.stream, run in the batch."""
+        return self.start(self.request(prompt, **kwargs), cancel)
+
+    def generate(self, prompt: str | None = None, **kwargs) -> Result:
+        return Session.collect(self.stream(prompt, **kwargs))
+
+    def start(self, req: Request, cancel: threading.Event | None = None) -> Generation:
+        """Queue a request `validate` passed; return once it has a slot (its generation then
+        runs in the batch). Raises Overloaded, QueueTimeout or Cancelled as SessionPool does."""
+        req = self.prepare(req)
+        lane = self._lane(req)
+        with self._lock:
+            if self.closing.is_set():
+                raise Cancelled("the server is shutting down")
+            self._refuse_if_full()
+            self._pending.append(lane)
+            self.waiting += 1
+            self._ensure_thread()
+            self._lock.notify_all()
+        deadline = None if self.wait_seconds is None else time.monotonic() + self.wait_seconds
+        try:
+            while not lane.admitted.wait(POLL_SECONDS):
+                why = None
+                if cancel is not None and cancel.is_set():
+                    why = Cancelled("the request was cancelled while it waited for a slot")
+                elif self.closing.is_set():
+                    why = Cancelled("the server is shutting down")
+                elif deadline is not None and time.monotonic() >= deadline:
+                    why = QueueTimeout(f"server busy: no slot came free within {self.wait_seconds}s; retry later")
+                if why is not None:
+                    with self._lock:
+                        if lane in self._pending:
+                            self._pending.remove(lane)
+                            raise why
+                    break  # admitted as it gave up: it runs (the client's cancel ends it)
+        finally:
+            with self._lock:
+                self.waiting -= 1
+        if self.error is not None and lane.slot < 0:
+            raise self.error
+        return self._generation(lane)
+
+    def shutdown(self) -> None:
+        """Refuse new requests, make waiting ones give up, end every running one after its round."""
+        self.closing.set()
+        with self._lock:
+            for lane in self._lanes:
+                lane.leave.set()
+            self._lock.notify_all()
+
+    def reopen(self) -> None:
+        self.closing.clear()
+
+    def close(self) -> None:
+        """Stop the scheduler thread (after `shutdown`, or once nothing runs)."""
+        self.shutdown()
+        with self._lock:
+            self._stop = True
+            self._lock.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+
+    # -- a request's lane --------------------------------------------------------------------
+    def _lane(self, req: Request) -> Lane:
+        ids = np.empty(len(req.prompt_ids) + req.max_new_tokens, dtype=np.int64)
+        n = len(req.prompt_ids)
+        ids[:n] = req.prompt_ids
+        params = SamplingParams(req.temperature, req.top_k, req.top_p, req.seed)
+        max_draft = self.bundle.max_draft
+        fixed = None if req.draft_len == "auto" else req.draft_len
+        drafter = self.drafter.fork() if self.drafter is not None and req.speculate and fixed != 0 else None
+        if drafter is not None and drafter.keeps_history:
+            drafter.private = req.private
+        sizes = None
+        if drafter is not None and fixed is None:
+            # greedy: per-rank acceptance for the batch's policy; sampled: the lane's own chain policy,
+            # exactly the one a Session runs for it alone (TreeSize over a lookup's chains, unmeasured)
+            sizes = TreeSize(max_draft, measure=False, chains=True)
+            if params.greedy:
+                _carry(sizes, self._auto)
+        return Lane(req, ids, n, params, np.random.default_rng(params.seed), drafter, sizes, fixed, end=n)
+
+    def _generation(self, lane: Lane) -> Generation:
+        met = {"stop": False, "eos": False}
+        ref = weakref.ref(lane)
+
+        def rounds() -> Iterator[np.ndarray]:
+            try:
+                while True:
+                    item = lane.out.get()
+                    if item is _END:
+                        return
+                    if isinstance(item, BaseException):
+                        raise item
+                    yield item
+            finally:
+                lane.leave.set()  # a stop string, a close, or the end: the slot is free at the next round
+                with self._lock:
+                    self._lock.notify_all()
+
+        def finish(cancelled: bool) -> str:
+            return finish_reason(cancelled=cancelled or lane.dropped, **met)
+
+        def on_end() -> None:
+            held = ref()
+            if held is not None:
+                held.leave.set()
+
+        pieces = text_pieces(rounds(), self.tokenizer, lane.req.stop, self.eos_token_ids, met)
+        gen = _BatchGeneration(pieces, lane.stats, finish, on_end=on_end)
+        gen.lane = lane
+        return gen
+
+    # -- the scheduler -----------------------------------------------------------------------
+    def _ensure_thread(self) -> None:
+        if self._thread is None or not self._thread.is_alive():
+            self._stop = False
+            self._thread = threading.Thread(target=self._run, name="specdeploy-batch", daemon=True)
+            self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                while not self._stop and not self._lanes and not self._pending:
+                    self._lock.wait()
+                if self._stop and not self._lanes:
+                    for lane in self._pending:
+                        lane.admitted.set()
+                    self._pending.clear()
+                    return
+                self._admit()
+            try:
+                self.step()
+            except BaseException as e:  # a failed pass: its lanes end with the error, the batch goes on
+                log.error(f"batched round failed: {e}")
+                for lane in list(self._lanes):
+                    lane.out.put(e if isinstance(e, SpecdeployError) else BundleError(f"batched round failed: {e}"))
+                    self._drop(lane, dropped=True)
+
+    def _admit(self) -> None:
+        """With the lock held: pending requests into free slots, the one whose slot holds the
+        longest prefix of its prompt into that slot."""
+        while self._pending and len(self._lanes) < self.batch:
+            lane = self._pending.pop(0)
+            at = len(self._lanes)
+            best, reuse = at, 0
+            if self.prompt_cache and not lane.req.private:
+                for slot in range(at, self.batch):
+                    held = self._held[slot]
+                    if held is None:
+                        continue
+                    m = min(held[1], lane.n - 1)
+                    differ = np.flatnonzero(held[0][:m] != lane.ids[:m])
+                    same = int(differ[0]) if differ.size else m
+                    if same > reuse:
+                        best, reuse = slot, same
+            if best != at:
+                self.target.swap(at, best, self._held[at][1] if self._held[at] else 0, self._held[best][1])
+                self._held[at], self._held[best] = self._held[best], self._held[at]
+            self._held[at] = None
+            lane.slot = at
+            lane.prefilled = reuse
+            lane.stats.prompt_tokens = lane.n
+            lane.stats.cached_tokens = reuse
+            lane.started = time.perf_counter()
+            self._lanes.append(lane)
+            lane.admitted.set()
+
+    def step(self) -> None:
+        """One scheduler step: drop the lanes that left, prefill a chunk of each joining lane
+        (all of it while no lane decodes), then one batched round over the ready lanes."""
+        for lane in [lane for lane in self._lanes if lane.leave.is_set()]:
+            self._drop(lane, dropped=True)
+        ready = [lane for lane in self._lanes if lane.ready]
+        for lane in [lane for lane in self._lanes if not lane.ready]:
+            self._prefill(lane, whole=not ready)
+        ready = [lane for lane in self._lanes if lane.ready]
+        if ready:
+            self._round(ready)
+
+    def _prefill(self, lane: Lane, whole: bool) -> None:
+        chunk = self.bundle.prefill_chunk
+        t0 = time.perf_counter()
+        while not lane.ready:
+            at = lane.prefilled
+            upto = min(at + chunk, lane.n - 1)
+            self.target.forward(lane.ids[None, at:upto], np.array([at]), first=lane.slot, last=True)
+            lane.prefilled = upto
+            if not whole:
+                break
+        lane.stats.prefill_seconds += time.perf_counter() - t0
+        if lane.ready:  # into the ready region: slots 0..(ready lanes)-1
+            ready = sum(1 for other in self._lanes if other.ready and other is not lane)
+            self._move(lane, ready)
+
+    def _move(self, lane: Lane, slot: int) -> None:
+        """Swap `lane` with whatever occupies `slot` (another lane, or a free slot)."""
+        if lane.slot == slot:
+            return
+        with self._lock:
+            self._swap_lanes(lane, slot)
+
+    def _swap_lanes(self, lane: Lane, slot: int) -> None:
+        other = next((x for x in self._lanes if x.slot == slot), None)
+        other_length = other.kv_length if other is not None else (self._held[slot][1] if self._held[slot] else 0)
+        self.target.swap(lane.slot, slot, lane.kv_length, other_length)
+        if other is not None:
+            other.slot = lane.slot
+        else:
+            self._held[lane.slot], self._held[slot] = self._held[slot], None
+        self._lanes.remove(lane)
+        lane.slot = slot
+        self._lanes.insert(slot, lane)
+        self._lanes.sort(key=lambda x: x.slot)
+
+    def _drop(self, lane: Lane, dropped: bool) -> None:
+        """A lane leaves: its slot keeps its tokens for a later prompt that shares them (unless
+        private), and the lanes after it close up so that slots 0..B-1 stay the running ones."""
+        with self._lock:
+            if lane not in self._lanes:
+                return
+            self._leave(lane, dropped)
+
+    def _leave(self, lane: Lane, dropped: bool) -> None:
+        lane.dropped = lane.dropped or dropped
+        ready = [x for x in self._lanes if x.ready]
+        if lane.ready:  # to the end of the ready region, then past the prefilling lanes
+            self._move(lane, len(ready) - 1)
+        self._move(lane, len(self._lanes) - 1)
+        keep = not lane.req.private and self.prompt_cache
+        self._held[lane.slot] = (lane.ids[: lane.end].copy(), lane.kv_length) if keep else None
+        self._lanes.remove(lane)
+        if lane.drafter is not None and lane.drafter.keeps_history:
+            lane.drafter.remember(lane.ids[: lane.end])
+        if lane.greedy_auto:
+            self._auto = lane.sizes
+        lane.out.put(_END)
+
+    # -- one round ---------------------------------------------------------------------------
+    def _plan(self, lane: Lane) -> int:
+        """The lane's drafts for this round, looked up on the host: what it verifies at least
+        (its own choice), and for a greedy auto lane its candidates in `lane.tokens`."""
+        wanted = lane.req.max_new_tokens - (lane.end - lane.n)
+        most = wanted - 1
+        ids = lane.ids[: lane.end]
+        lane.tree = None
+        lane.tokens = EMPTY
+        if lane.drafter is None or most <= 0:
+            return 0
+        if lane.fixed is not None:  # a pinned k, as Session's chain round
+            k = min(lane.fixed, most)
+            lane.tokens = lane.drafter.propose(ids, k, lane.params, lane.rng).tokens if k > 0 else EMPTY
+            return lane.tokens.shape[0]
+        max_depth = min(self.bundle.max_draft, most)
+        room = min(lane.sizes.max_nodes, self.bundle.max_seq - lane.end)
+        chain = EMPTY
+        if max_depth > 0 and room > 0:
+            chain = lane.drafter.propose(ids, min(room, max_depth), lane.params, lane.rng).tokens
+        if lane.params.greedy:
+            lane.tokens = chain
+            return 0
+        # sampled: the lane's own policy sizes its chain, as Session's round does alone
+        candidates = DraftTree.chain(chain)
+        lane.tree = candidates.prune(lane.sizes.choose(candidates.probs, candidates.size))
+        lane.tokens = lane.tree.tokens
+        return lane.tokens.shape[0]
+
+    def _round(self, lanes: list[Lane]) -> None:
+        b = len(lanes)
+        assert [lane.slot for lane in lanes] == list(range(b)), [(lane.slot, lane.ready) for lane in self._lanes]
+        least = [self._plan(lane) for lane in lanes]
+        chains = [(lane.tokens.shape[0], lane.sizes.estimates(None, lane.tokens.shape[0]))
+                  for lane in lanes if lane.greedy_auto]
+        t = self.policy.choose(b, 1 + max(least), chains)
+        verified = []
+        for lane, k in zip(lanes, least):
+            if lane.greedy_auto:
+                lane.tokens = lane.tokens[: t - 1]
+            verified.append(lane.tokens.shape[0])
+        rows = np.empty((b, t), dtype=np.int64)
+        starts = np.empty(b, dtype=np.int64)
+        offsets = []
+        for i, lane in enumerate(lanes):
+            r = 1 + verified[i]
+            start = lane.end - 1
+            if start + t <= self.bundle.max_seq:  # padding after its rows
+                rows[i, 0] = lane.ids[start]
+                rows[i, 1:r] = lane.tokens
+                rows[i, r:] = lane.ids[start]
+                starts[i] = start
+                offsets.append(0)
+            else:  # no room after: padding before, its own tokens recomputed where they are
+                shift = t - r
+                rows[i, :shift] = lane.ids[start - shift : start]
+                rows[i, shift] = lane.ids[start]
+                rows[i, shift + 1 :] = lane.tokens
+                starts[i] = start - shift
+                offsets.append(shift)
+        t0 = time.perf_counter()
+        logits = self.target.forward(rows, starts)
+        seconds = time.perf_counter() - t0
+        self.rounds += 1
+        drafted = held = False
+        finished = []
+        for i, lane in enumerate(lanes):
+            r = 1 + verified[i]
+            mine = logits[i, offsets[i] : offsets[i] + r]
+            new, record = self._judge(lane, mine, seconds)
+            drafted |= record.proposed > 0
+            held |= record.accepted > 0
+            if self._commit(lane, new, record):
+                finished.append(lane)
+        for lane in finished:  # after every lane has committed: a slot moves with all of its K/V
+            self._drop(lane, dropped=False)
+        self.policy.update(b, t, seconds, drafted, held)
+
+    def _judge(self, lane: Lane, logits: np.ndarray, seconds: float) -> tuple[np.ndarray, Round]:
+        """The lane's verdict on its rows, by the rules its round would have alone."""
+        start = lane.end - 1
+        tokens = logits.argmax(axis=-1) if lane.params.greedy else None
+        check_finite(self.target, logits, start, tokens)
+        if lane.tree is not None:  # a sampled lane's chain, judged as Session's round judges it
+            path, token = accept_path(lane.tree, logits, tokens, lane.params, lane.rng)
+            record = Round(lane.tree.size, len(path), seconds, chosen=lane.tree.size, path=tuple(path),
+                           scores=lane.tree.probs)
+            lane.sizes.update(record)
+            return np.append(lane.tree.tokens[path], token), record
+        drafts = lane.tokens
+        n_accepted, token = accept_chain(Checked(drafts, None, logits, tokens), lane.params, lane.rng)
+        record = Round(drafts.shape[0], n_accepted, seconds, chosen=drafts.shape[0] if lane.drafter is not None else None)
+        if lane.greedy_auto:
+            lane.sizes.update(Round(drafts.shape[0], n_accepted, 0.0, path=tuple(range(n_accepted))))
+        return np.append(drafts[:n_accepted], token), record
+
+    def _commit(self, lane: Lane, new: np.ndarray, record: Round) -> bool:
+        """Commit a round's tokens to the lane and hand them to its reader; -> whether it is done."""
+        s = lane.stats
+        s.record(record)
+        wanted = lane.req.max_new_tokens - (lane.end - lane.n)
+        new = new[:wanted]
+        eos = next((i for i, tok in enumerate(new.tolist()) if tok in self.eos_token_ids), None)
+        if eos is not None:
+            new = new[: eos + 1]
+        lane.ids[lane.end : lane.end + new.shape[0]] = new
+        lane.end += new.shape[0]
+        s.new_tokens = lane.end - lane.n
+        s.seconds = time.perf_counter() - lane.started
+        if s.new_tokens == new.shape[0]:
+            s.first_token_seconds = s.seconds
+            s.first_round_tokens = s.new_tokens
+        lane.out.put(new)
+        return eos is not None or s.new_tokens >= lane.req.max_new_tokens
+
+
+EMPTY = np.empty(0, dtype=np.int64)
+
+
+def _carry(sizes: TreeSize, earlier: TreeSize | None) -> None:
+    """A new greedy lane starts from the acceptance the last one measured (as Session carries it)."""
+    if earlier is not None:
+        n = min(sizes.max_nodes, earlier.max_nodes)
+        sizes.hits[:n], sizes.trials[:n] = earlier.hits[:n], earlier.trials[:n]
+
+
+class _BatchGeneration(Generation):
+    """A generation whose rounds run in the batch: cancel() and close() also tell the scheduler,
+    which frees the slot at the next round."""
+
+    lane: Lane
+
+    def cancel(self) -> None:
+        super().cancel()
+        self.lane.leave.set()
+
+    def close(self) -> None:
+        self.lane.leave.set()
+        with self._state:
+            if self._running:  # the reader is waiting for a round: the scheduler's end wakes it
+                self._close_requested = True
+                return
+            self._end(cancelled=True)
+
+
+__all__ = ["BatchPolicy", "BatchSession", "Cancelled", "Overloaded", "QueueTimeout"]
