@@ -135,15 +135,24 @@ def main() -> None:
         for rep in range(args.repeats):
             for mode in modes:
                 server = pool if mode == "pool" else batched
+                before = dict(server.timing) if mode != "pool" else None
                 run = run_streams(server, prompts, c, args.max_new_tokens, speculate=mode == "spec")
                 for p, r in zip(prompts, run["records"]):
                     if r["ids"] != reference[p]:
                         raise SystemExit(f"{mode} at {c} streams: the output of {p!r:.40} differs from a Session alone")
                 results[mode].append(summarize(run))
                 s = results[mode][-1]
+                if before is not None:  # the scheduler's own account: batched rounds alone
+                    d = {k: server.timing[k] - before[k] for k in before}
+                    s["round_tok_s"] = d["tokens"] / d["round_seconds"]
+                    s["mean_lanes"] = d["lanes"] / d["rounds"]
+                    s["prefill_share"] = d["prefill_seconds"] / run["wall"]
+                    s["host_share"] = 1 - d["pass_seconds"] / d["round_seconds"]
                 print(f"streams {c} {mode:5s} rep {rep}: decode {s['decode_tok_s']:6.1f} tok/s, total "
                       f"{s['total_tok_s']:6.1f} tok/s, TTFT p50 {s['ttft_p50_ms']:6.0f} ms, ITL p50 {s['itl_p50_ms']:5.1f} "
-                      f"p99 {s['itl_p99_ms']:6.1f} ms", flush=True)
+                      f"p99 {s['itl_p99_ms']:6.1f} ms" + (f"; rounds alone {s['round_tok_s']:6.1f} tok/s, {s['mean_lanes']:.2f} "
+                      f"lanes a round, host {100 * s['host_share']:.0f}%, prefill {100 * s['prefill_share']:.0f}% of the run"
+                      if "round_tok_s" in s else ""), flush=True)
         if batched is not None:
             batched.close()
         report["runs"][c] = {m: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for m, rs in results.items()}

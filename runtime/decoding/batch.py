@@ -22,6 +22,7 @@ B lanes from passes measured at that B, and turns speculation down, or off, as B
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import queue
@@ -121,7 +122,7 @@ class BatchPolicy:
             self.probes.settle(held)
 
 
-@dataclass
+@dataclass(eq=False)  # a lane is itself: found in lists by identity
 class Lane:
     """One request in the batch: its tokens, its place in the KV slots, its own policy."""
 
@@ -210,8 +211,13 @@ class BatchSession(Prompts):
         self.closing = threading.Event()
         self._stop = False
         self._thread: threading.Thread | None = None
+        self._gate = threading.Lock()  # held by the scheduler through each step; `hold` holds it between them
         self.rounds = 0
         self.error: BaseException | None = None
+        # where the scheduler's time went: batched rounds (their passes alone, and with the host
+        # work around them), prefill passes; and the tokens the rounds committed
+        self.timing = {"round_seconds": 0.0, "pass_seconds": 0.0, "prefill_seconds": 0.0, "tokens": 0, "lanes": 0,
+                       "rounds": 0}
 
     # -- the pool's face ---------------------------------------------------------------------
     @property
@@ -362,6 +368,13 @@ class BatchSession(Prompts):
             self._thread = threading.Thread(target=self._run, name="specdeploy-batch", daemon=True)
             self._thread.start()
 
+    @contextlib.contextmanager
+    def hold(self):
+        """Keep the scheduler between rounds while the block runs: requests started meanwhile
+        join together at the next round boundary (what a test of joins and leaves needs)."""
+        with self._gate:
+            yield
+
     def _run(self) -> None:
         while True:
             with self._lock:
@@ -372,14 +385,23 @@ class BatchSession(Prompts):
                         lane.admitted.set()
                     self._pending.clear()
                     return
-                self._admit()
-            try:
-                self.step()
-            except BaseException as e:  # a failed pass: its lanes end with the error, the batch goes on
-                log.error(f"batched round failed: {e}")
-                for lane in list(self._lanes):
-                    lane.out.put(e if isinstance(e, SpecdeployError) else BundleError(f"batched round failed: {e}"))
-                    self._drop(lane, dropped=True)
+            with self._gate:
+                with self._lock:
+                    self._admit()
+                try:
+                    self.step()
+                except Exception as e:  # a failed pass: its lanes end with the error, the batch goes on
+                    self._fail(e)
+
+    def _fail(self, e: Exception) -> None:
+        log.error(f"batched round failed: {e}")
+        error = e if isinstance(e, SpecdeployError) else BundleError(f"batched round failed: {e}")
+        with self._lock:
+            lanes, self._lanes = self._lanes, []
+            self._held = [None] * self.batch  # what the slots hold is not known any more
+        for lane in lanes:
+            lane.dropped = True
+            lane.out.put(error)
 
     def _admit(self) -> None:
         """With the lock held: pending requests into free slots, the one whose slot holds the
@@ -433,6 +455,7 @@ class BatchSession(Prompts):
             if not whole:
                 break
         lane.stats.prefill_seconds += time.perf_counter() - t0
+        self.timing["prefill_seconds"] += time.perf_counter() - t0
         if lane.ready:  # into the ready region: slots 0..(ready lanes)-1
             ready = sum(1 for other in self._lanes if other.ready and other is not lane)
             self._move(lane, ready)
@@ -510,6 +533,7 @@ class BatchSession(Prompts):
         return lane.tokens.shape[0]
 
     def _round(self, lanes: list[Lane]) -> None:
+        started = time.perf_counter()
         b = len(lanes)
         assert [lane.slot for lane in lanes] == list(range(b)), [(lane.slot, lane.ready) for lane in self._lanes]
         least = [self._plan(lane) for lane in lanes]
@@ -557,6 +581,11 @@ class BatchSession(Prompts):
         for lane in finished:  # after every lane has committed: a slot moves with all of its K/V
             self._drop(lane, dropped=False)
         self.policy.update(b, t, seconds, drafted, held)
+        timing = self.timing
+        timing["round_seconds"] += time.perf_counter() - started
+        timing["pass_seconds"] += seconds
+        timing["lanes"] += b
+        timing["rounds"] += 1
 
     def _judge(self, lane: Lane, logits: np.ndarray, seconds: float) -> tuple[np.ndarray, Round]:
         """The lane's verdict on its rows, by the rules its round would have alone."""
@@ -593,6 +622,7 @@ class BatchSession(Prompts):
             s.first_token_seconds = s.seconds
             s.first_round_tokens = s.new_tokens
         lane.out.put(new)
+        self.timing["tokens"] += new.shape[0]
         return eos is not None or s.new_tokens >= lane.req.max_new_tokens
 
 

@@ -1,0 +1,249 @@
+"""Batched passes and continuous batching (runtime/decoding/batch.py): every request's output in
+a batch is the one it gets alone, token for token, greedy and seeded sampled, whatever joins
+or leaves beside it."""
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import tiny
+from specdeploy.core.errors import InputError
+from specdeploy.runtime import Session
+from specdeploy.runtime.decoding.batch import BatchPolicy, BatchSession, Overloaded
+from specdeploy.runtime.decoding.policy import PassCost
+
+# one request in five of each kind: different drafts, draft lengths, sampling and lengths in one batch
+KINDS = [
+    dict(),  # greedy, the batch's policy drafts
+    dict(temperature=0.8, seed=3),  # sampled, its own policy drafts
+    dict(draft_len=3),  # pinned
+    dict(speculate=False),  # plain
+    dict(temperature=1.0, top_k=20, top_p=0.9, seed=11, draft_len=2),
+]
+
+
+def jobs(n=len(tiny.PROMPTS)):
+    return [(p, dict(KINDS[i % len(KINDS)], max_new_tokens=12 + 9 * (i % 4))) for i, p in enumerate(tiny.PROMPTS[:n])]
+
+
+def solo(bundle, work, backend="ort"):
+    session = Session(bundle, prompt_cache=False, backend=backend)
+    return [session.generate(p, **kw).token_ids for p, kw in work]
+
+
+def concurrently(batched, work, stagger=0.0):
+    out = [None] * len(work)
+
+    def run(i):
+        p, kw = work[i]
+        out[i] = batched.generate(p, **kw).token_ids
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(work))]
+    for t in threads:
+        t.start()
+        time.sleep(stagger)
+    for t in threads:
+        t.join()
+    return out
+
+
+@pytest.mark.parametrize("name", ["llama-ngram", "llama-suffix", "qwen2-self", "mistral-model"])
+def test_every_request_in_a_batch_equals_it_alone(bundles, name):
+    """Greedy and seeded sampled, pinned and auto draft lengths, plain, different prompt lengths
+    and finishing times, requests joining as others leave: token for token what Session gives.
+    (A bundle with a model draft decodes plain in a batch: the same greedy tokens, and a sampled
+    request then replays the same as alone with speculation off.)"""
+    work = jobs()
+    if name in ("qwen2-self", "mistral-model"):
+        work = [(p, dict(kw, speculate=False) if kw.get("temperature") else kw) for p, kw in work]
+    want = solo(bundles(name), work)
+    batched = BatchSession(bundles(name), batch=4, max_queue=32)
+    try:
+        assert concurrently(batched, work, stagger=0.002) == want
+        assert batched.rounds > 0
+    finally:
+        batched.close()
+
+
+def _started(batched, work):
+    """Start each request in a thread; return the generations once all are admitted."""
+    gens = [None] * len(work)
+
+    def start(i):
+        p, kw = work[i]
+        gens[i] = batched.stream(p, **kw)
+
+    threads = [threading.Thread(target=start, args=(i,)) for i in range(len(work))]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 10
+    while batched.waiting < len(work) and time.monotonic() < deadline:
+        time.sleep(0.001)
+    return threads, gens
+
+
+def collect(gen):
+    return Session.collect(gen).token_ids
+
+
+def test_a_lane_that_leaves_moves_the_last_one_with_all_its_kv(bundles):
+    """Three lanes join at one round: the first finishes early, so the last lane's slot moves
+    into the first's, after that round's K/V were written (moving it before would lose its newest
+    position's K/V and change its output)."""
+    work = [(tiny.PROMPTS[0], dict(max_new_tokens=3, speculate=False)),
+            (tiny.PROMPTS[10], dict(max_new_tokens=40, speculate=False)),
+            (tiny.PROMPTS[16], dict(max_new_tokens=40, speculate=False))]
+    want = solo(bundles("llama-ngram"), work)
+    batched = BatchSession(bundles("llama-ngram"), batch=3)
+    try:
+        with batched.hold():
+            threads, gens = _started(batched, work)
+        for t in threads:
+            t.join()
+        assert [g.lane.slot for g in gens] == [0, 1, 2]
+        assert [collect(g) for g in gens] == want
+    finally:
+        batched.close()
+
+
+def test_joining_and_leaving_mid_generation_changes_no_other_output(bundles):
+    """A long request runs; others join while it is mid-generation, one is cancelled mid-way:
+    the long one's tokens are still its tokens alone, and so are the others'."""
+    bundle = bundles("llama-ngram")
+    long = (tiny.PROMPTS[16], dict(max_new_tokens=60))
+    joiners = [(tiny.PROMPTS[1], dict(max_new_tokens=20, temperature=0.7, seed=5)), (tiny.PROMPTS[4], dict(max_new_tokens=25))]
+    want = solo(bundle, [long] + joiners)
+    batched = BatchSession(bundle, batch=4)
+    try:
+        first = batched.stream(long[0], **long[1])
+        got = next(first).token_ids  # it is mid-generation
+        while len(got) < 10:
+            got += next(first).token_ids
+        quitter = batched.stream(tiny.PROMPTS[7], max_new_tokens=60)
+        next(quitter)
+        threads, gens = _started(batched, joiners)
+        for t in threads:
+            t.join()
+        quitter.close()  # leaves mid-generation
+        got += collect(first)
+        assert got == want[0]
+        assert [collect(g) for g in gens] == want[1:]
+        assert quitter.stats.finish_reason == "cancelled"
+    finally:
+        batched.close()
+
+
+def test_a_cancelled_request_frees_its_slot_for_a_waiting_one(bundles):
+    """Limits before work (a full queue refuses at once), and a cancelled request's slot goes to
+    the waiting one at the next round boundary: the cancelled lane runs no further round."""
+    batched = BatchSession(bundles("llama-ngram"), batch=1, max_queue=1)
+    try:
+        gen = batched.stream(tiny.PROMPTS[0], max_new_tokens=120)
+        next(gen)
+        waiter = {}
+        with batched.hold():
+            t = threading.Thread(target=lambda: waiter.setdefault("gen", batched.stream(tiny.PROMPTS[1], max_new_tokens=5)))
+            t.start()
+            while batched.waiting < 1:
+                time.sleep(0.001)
+            with pytest.raises(Overloaded):  # the one slot busy, the one place in the queue taken
+                batched.stream(tiny.PROMPTS[2], max_new_tokens=5)
+            made = gen.stats.new_tokens
+            assert made < 120
+            gen.cancel()
+        t.join(timeout=10)
+        assert "gen" in waiter and len(collect(waiter["gen"])) > 0
+        assert gen.stats.new_tokens == made and gen.lane.dropped
+    finally:
+        batched.close()
+
+
+def test_a_prompt_that_extends_a_finished_one_reuses_its_slot(bundles):
+    bundle = bundles("llama-ngram")
+    batched = BatchSession(bundle, batch=2)
+    try:
+        first = batched.generate(tiny.PROMPTS[16], max_new_tokens=10)
+        ids = batched.encode(tiny.PROMPTS[16]) + first.token_ids + batched.encode(" again")
+        second = batched.generate(prompt_ids=ids, max_new_tokens=10)
+        assert second.stats.cached_tokens > len(first.token_ids)
+        alone = Session(bundle, prompt_cache=False).generate(prompt_ids=ids, max_new_tokens=10)
+        assert second.token_ids == alone.token_ids
+        private = batched.generate(prompt_ids=ids, max_new_tokens=10, private=True)
+        assert private.stats.cached_tokens == 0 and private.token_ids == alone.token_ids
+    finally:
+        batched.close()
+
+
+def test_sequences_near_the_end_of_the_buffer_pad_before_their_rows(bundles):
+    """A verify pass wider than the room a lane has left after its rows: its padding goes before
+    them (its own tokens recomputed in place), and its output is still its own."""
+    bundle = bundles("llama-ngram")
+    from conftest import MAX_SEQ
+
+    session = Session(bundle, prompt_cache=False)
+    long_ids = session.encode(tiny.PROMPTS[16] * 3)[: MAX_SEQ - 12]
+    work = [(None, dict(prompt_ids=long_ids, max_new_tokens=12, speculate=False)),
+            (tiny.PROMPTS[13], dict(max_new_tokens=40, draft_len=8))]
+    want = [session.generate(prompt_ids=long_ids, max_new_tokens=12, speculate=False).token_ids,
+            session.generate(tiny.PROMPTS[13], max_new_tokens=40, draft_len=8).token_ids]
+    batched = BatchSession(bundle, batch=2)
+    try:
+        with batched.hold():
+            threads, gens = _started(batched, work)
+        for t in threads:
+            t.join()
+        assert [collect(g) for g in gens] == want
+    finally:
+        batched.close()
+
+
+def test_batch_sizes_the_bundle_was_not_exported_for_are_refused_in_one_line(bundles):
+    with pytest.raises(InputError, match=r"batch 9: this bundle's graphs carry 1\.\.8 sequences"):
+        BatchSession(bundles("llama-ngram"), batch=9)
+    with pytest.raises(InputError, match="batched serving takes --backend ort or torch"):
+        BatchSession(bundles("llama-ngram"), batch=2, backend="trt")
+
+
+def test_memory_per_sequence_is_one_slot_of_kv(bundles):
+    batched = BatchSession(bundles("llama-ngram"), batch=2)
+    spec = batched.bundle.model("target")
+    assert batched.memory_per_sequence == spec.kv_bytes(batched.bundle.max_seq)
+    batched.close()
+
+
+# -- the policy ---------------------------------------------------------------------------------
+
+def _measured(v1: float, slope: float, max_t: int = 9) -> PassCost:
+    cost = PassCost(max_tokens=max_t)
+    for _ in range(20):
+        for t in (1, 2, 3):
+            cost.add(t, v1 + slope * (t - 1))
+    return cost
+
+
+def test_policy_drafts_where_wide_passes_are_cheap_and_stops_where_they_are_dear():
+    """One batch size where a wide pass costs 5% more a token (B = 1 on a memory-bound pass), one
+    where it costs 60% (B = 8 on two cores): the same lanes, the same acceptance."""
+    policy = BatchPolicy(max_draft=8)
+    holds = np.full(4, 0.6)
+    policy.costs[1] = _measured(6.0, 0.3)
+    policy.costs[8] = _measured(16.0, 9.6)
+    assert policy.choose(1, 1, [(4, holds)]) > 1
+    assert policy.choose(8, 1, [(4, holds)] * 8) in (1, 2)  # plain, or a probe now and then
+    picks = [policy.choose(8, 1, [(4, holds)] * 8) for _ in range(64)]
+    assert picks.count(1) >= 56  # the probes are rare
+
+
+def test_policy_catches_a_cost_model_that_ignores_the_batch():
+    """The companion: priced with B = 1's costs, the same 8 lanes would draft (and be slower)."""
+    policy = BatchPolicy(max_draft=8)
+    policy.costs[8] = _measured(6.0, 0.3)
+    assert policy.choose(8, 1, [(4, np.full(4, 0.6))] * 8) > 1
+
+
+def test_policy_widens_at_most_to_the_longest_chain_and_never_below_the_least():
+    policy = BatchPolicy(max_draft=8)
+    policy.costs[2] = _measured(6.0, 0.1)
+    assert policy.choose(2, 1, [(2, np.full(2, 0.9)), (0, np.zeros(0))]) == 3
+    assert policy.choose(2, 5, [(2, np.full(2, 0.9))]) == 5
