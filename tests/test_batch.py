@@ -175,6 +175,21 @@ def test_a_prompt_that_extends_a_finished_one_reuses_its_slot(bundles):
         batched.close()
 
 
+class Repeats:
+    """A drafter that always proposes k tokens (its last token again): every round of a lane that
+    drafts with it is as wide as its draft length allows."""
+
+    keeps_history = False
+
+    def fork(self):
+        return Repeats()
+
+    def propose(self, ids, k, params, rng, min_confidence=0.0):
+        from specdeploy.runtime.decoding.drafters import Proposal
+
+        return Proposal(np.full(k, ids[-1], dtype=np.int64))
+
+
 def test_sequences_near_the_end_of_the_buffer_pad_before_their_rows(bundles):
     """A verify pass wider than the room a lane has left after its rows: its padding goes before
     them (its own tokens recomputed in place), and its output is still its own."""
@@ -182,18 +197,26 @@ def test_sequences_near_the_end_of_the_buffer_pad_before_their_rows(bundles):
     from conftest import MAX_SEQ
 
     session = Session(bundle, prompt_cache=False)
-    long_ids = session.encode(tiny.PROMPTS[16] * 3)[: MAX_SEQ - 12]
+    long_ids = session.encode(" ".join(tiny.PROMPTS) * 2)[: MAX_SEQ - 12]
+    assert len(long_ids) == MAX_SEQ - 12
     work = [(None, dict(prompt_ids=long_ids, max_new_tokens=12, speculate=False)),
             (tiny.PROMPTS[13], dict(max_new_tokens=40, draft_len=8))]
     want = [session.generate(prompt_ids=long_ids, max_new_tokens=12, speculate=False).token_ids,
-            session.generate(tiny.PROMPTS[13], max_new_tokens=40, draft_len=8).token_ids]
+            session.generate(tiny.PROMPTS[13], max_new_tokens=40, speculate=False).token_ids]
     batched = BatchSession(bundle, batch=2)
+    batched.drafter = Repeats()
+    widths = []
+    forward = batched.target.forward
+    batched.target.forward = lambda tokens, starts, **kw: (widths.append((tokens.shape, starts.tolist())),
+                                                           forward(tokens, starts, **kw))[1]
     try:
         with batched.hold():
             threads, gens = _started(batched, work)
         for t in threads:
             t.join()
         assert [collect(g) for g in gens] == want
+        first_lane = [starts[0] for shape, starts in widths if shape[0] == 2]
+        assert any(b < a for a, b in zip(first_lane, first_lane[1:]))  # its write index stepped back: padded before
     finally:
         batched.close()
 
