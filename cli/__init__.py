@@ -316,6 +316,9 @@ def _digest_option(ctx, param, value: str | None) -> str | None:
 @click.option("--host", default="127.0.0.1", show_default=True, help="Loopback by default; 0.0.0.0 exposes it.")
 @click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True, help="0: any free port.")
 @click.option("--workers", default=1, show_default=True, help="Sessions generating at once (each owns its KV buffers).")
+@click.option("--batch", type=POSITIVE, default=None,
+              help="Continuous batching instead of --workers: up to N requests in one pass per round (a bundle exported "
+                   "with --max-batch >= N; ONNX Runtime on the CPU).")
 @click.option("--max-queue", default=8, show_default=True, help="Requests allowed to wait; past it: 503.")
 @click.option("--threads", type=THREADS, help="ONNX Runtime intra-op threads per session (one pool for target and draft "
                                          "when --workers is 1).")
@@ -331,30 +334,33 @@ def _digest_option(ctx, param, value: str | None) -> str | None:
               help="sha256:... as `specdeploy inspect` prints it: serve that bundle only; another is refused before "
                    "listening.")
 @_device_options
-def serve(bundle, host, port, workers, max_queue, threads, model_name, max_body_bytes, max_prompt_chars, queue_timeout,
-          graceful_seconds, digest, device, trt_ep):
+def serve(bundle, host, port, workers, batch, max_queue, threads, model_name, max_body_bytes, max_prompt_chars,
+          queue_timeout, graceful_seconds, digest, device, trt_ep):
     """Serve BUNDLE over OpenAI-compatible HTTP (completions, chat, SSE streaming, /metrics)."""
     from specdeploy.core.manifest import load_bundle
     from specdeploy.runtime.serving.server import serve as run_server
 
     if workers < 1 or max_queue < 0:
         raise InputError("--workers must be >= 1 and --max-queue >= 0")
+    if batch is not None and (workers > 1 or trt_ep):
+        raise InputError("--batch runs every request in one batch: leave out --workers and --trt-ep")
     if max_body_bytes < 1 or (max_prompt_chars is not None and max_prompt_chars < 1):
         raise InputError("--max-body-bytes and --max-prompt-chars must be >= 1")
     if (queue_timeout is not None and not queue_timeout > 0) or not 0 <= graceful_seconds < float("inf"):
         raise InputError("--queue-timeout must be > 0 and --graceful-seconds a finite number >= 0")
     _port_free(host, port)
-    if workers == 1:  # several sessions at once keep pools of their own: none waits on another's threads
+    if workers == 1 and batch is None:  # several sessions at once keep pools of their own: none waits on another's threads
         _share_threads(threads)
     pinned = {}  # serve's default unless --digest: any bundle
     if digest is not None:
         load_bundle(bundle, verify=False, digest=digest)  # its manifest alone: another bundle is one line, at once
         pinned = {"digest": digest}
-    click.echo(f"serving {bundle}{f' ({digest})' if digest else ''} on http://{host}:{port} ({workers} session(s), "
+    running = f"batches of up to {batch}" if batch else f"{workers} session(s)"
+    click.echo(f"serving {bundle}{f' ({digest})' if digest else ''} on http://{host}:{port} ({running}, "
                f"queue {max_queue})", err=True)
     run_server(str(bundle), host, port, workers, max_queue, threads, model_name, max_body_bytes=max_body_bytes,
                graceful_seconds=graceful_seconds, queue_timeout=queue_timeout, max_prompt_chars=max_prompt_chars,
-               device=device, trt_ep=trt_ep, **pinned)
+               device=device, trt_ep=trt_ep, batch=batch, **pinned)
 
 
 @main.command("triton-repo")

@@ -92,8 +92,8 @@ def sse_text(response, chat=False):
 def slow_down(pool, seconds: float) -> None:
     """Every target pass of every pool session sleeps `seconds` first: with draft_len 0 a
     generation of n tokens then lasts at least n * seconds."""
-    for session in pool.sessions:
-        target = session.target
+    targets = [session.target for session in pool.sessions] if hasattr(pool, "sessions") else [pool.target]
+    for target in targets:  # a SessionPool's sessions, or a BatchSession's one batched engine
         forward = target.forward
 
         def slowed(*args, _forward=forward, **kwargs):

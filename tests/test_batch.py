@@ -270,3 +270,38 @@ def test_policy_widens_at_most_to_the_longest_chain_and_never_below_the_least():
     policy.costs[2] = _measured(6.0, 0.1)
     assert policy.choose(2, 1, [(2, np.full(2, 0.9)), (0, np.zeros(0))]) == 3
     assert policy.choose(2, 5, [(2, np.full(2, 0.9))]) == 5
+
+
+def test_the_server_batches_concurrent_http_requests_and_answers_each_as_alone(bundles):
+    """serve --batch over real loopback HTTP: concurrent completions, streamed and not, greedy and
+    seeded sampled, each the text a Session gives it alone."""
+    import httpx
+    from loopback import Server, sse_text
+
+    bundle = bundles("llama-ngram")
+    work = [(p, dict(max_tokens=10 + 3 * i, temperature=0.9 if i % 3 == 1 else 0.0, seed=i, stream=i % 2 == 0))
+            for i, p in enumerate(tiny.PROMPTS[:8])]
+    session = Session(bundle, prompt_cache=False)
+    want = [session.generate(p, max_new_tokens=kw["max_tokens"], temperature=kw["temperature"], seed=kw["seed"]).text
+            for p, kw in work]
+    batched = BatchSession(bundle, batch=4, max_queue=8)
+    got = [None] * len(work)
+
+    def ask(i, url):
+        p, kw = work[i]
+        body = {"prompt": p, **kw}
+        if kw["stream"]:
+            with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30) as r:
+                got[i] = sse_text(r)
+        else:
+            got[i] = httpx.post(url + "/v1/completions", json=body, timeout=30).json()["choices"][0]["text"]
+
+    with Server(batched) as server:
+        threads = [threading.Thread(target=ask, args=(i, server.url)) for i in range(len(work))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        health = server.health()
+    assert got == want
+    assert health["sessions"] == 4 and batched.rounds > 0

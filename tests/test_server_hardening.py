@@ -13,6 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
+from specdeploy.runtime.decoding.batch import BatchSession
 from specdeploy.runtime.serving.pool import SessionPool
 from loopback import Server, free_port, slow_down, slow_serve_script, sse_events, sse_text
 from tiny import PROMPTS
@@ -20,18 +21,25 @@ from tiny import PROMPTS
 LONG = {"max_tokens": 100, "temperature": 0, "draft_len": 0}  # 100 slowed passes: >= 5 s
 
 
-@pytest.fixture(scope="module")
-def slow_server(bundles):
-    """One session, a queue of 2, every target pass 50 ms: a long request lasts seconds."""
-    pool = SessionPool(bundles("llama-model"), workers=1, max_queue=2)
+def _pool(kind: str, bundle, max_queue: int):
+    """Today's session pool, or continuous batching (serve --batch) over a batch of one."""
+    if kind == "batch":
+        return BatchSession(bundle, batch=1, max_queue=max_queue)
+    return SessionPool(bundle, workers=1, max_queue=max_queue)
+
+
+@pytest.fixture(scope="module", params=["pool", "batch"])
+def slow_server(bundles, request):
+    """One session (or a batch of one), a queue of 2, every target pass 50 ms: a long request lasts seconds."""
+    pool = _pool(request.param, bundles("llama-model"), 2)
     slow_down(pool, 0.05)
     with Server(pool) as s:
         yield s
 
 
-@pytest.fixture(scope="module")
-def server(bundles):
-    pool = SessionPool(bundles("llama-model"), workers=1, max_queue=4)
+@pytest.fixture(scope="module", params=["pool", "batch"])
+def server(bundles, request):
+    pool = _pool(request.param, bundles("llama-model"), 4)
     with Server(pool) as s:
         yield s
 
@@ -70,7 +78,12 @@ def test_a_client_that_leaves_a_non_streaming_request_frees_its_session(slow_ser
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_client_that_gives_up_while_queued_gives_back_its_queue_slot(slow_server, stream):
     pool = slow_server.pool
-    held = pool.acquire()  # the only session is busy
+    if isinstance(pool, BatchSession):  # the batch's one slot is busy with a long request
+        gen = pool.stream(PROMPTS[0], max_new_tokens=100, speculate=False)
+        release = gen.close
+    else:  # the only session is busy
+        held = pool.acquire()
+        release = lambda: pool.release(held)  # noqa: E731
     try:
         body = {"prompt": PROMPTS[4], "max_tokens": 4, "stream": stream}
         with pytest.raises(httpx.ReadTimeout):
@@ -80,7 +93,7 @@ def test_a_client_that_gives_up_while_queued_gives_back_its_queue_slot(slow_serv
             assert time.perf_counter() - t0 < 1.0, "the vanished client still holds its queue slot"
             time.sleep(0.02)
     finally:
-        pool.release(held)
+        release()
     slow_server.wait_idle(within=1.0)  # and it did not take the session once it came free
 
 
@@ -362,6 +375,10 @@ def test_serve_passes_its_limits_and_grace_period_to_the_server(monkeypatch, tmp
                                     "--queue-timeout", "2.5", "--graceful-seconds", "3"])
     assert out.exit_code == 0, out.output
     assert seen["kwargs"] == {"max_body_bytes": 1000, "graceful_seconds": 3.0, "queue_timeout": 2.5,
-                              "max_prompt_chars": 500, "device": None, "trt_ep": False}
+                              "max_prompt_chars": 500, "device": None, "trt_ep": False, "batch": None}
+    out = CliRunner().invoke(main, ["serve", str(tmp_path), "--batch", "4"])
+    assert out.exit_code == 0 and seen["kwargs"]["batch"] == 4, out.output
+    out = CliRunner().invoke(main, ["serve", str(tmp_path), "--batch", "4", "--workers", "2"])
+    assert out.exit_code != 0 and "--batch runs every request in one batch" in out.output
     out = CliRunner().invoke(main, ["serve", str(tmp_path), "--graceful-seconds", "-1"])
     assert out.exit_code != 0 and "--graceful-seconds" in out.output

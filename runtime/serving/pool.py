@@ -16,23 +16,11 @@ import weakref
 from pathlib import Path
 from typing import Callable
 
-from specdeploy.core.errors import SpecdeployError
+from specdeploy.runtime.decoding.batch import Cancelled, Overloaded, QueueTimeout
 from specdeploy.runtime.decoding.request import Request
 from specdeploy.runtime.decoding.session import Generation, Result, Session
 
 POLL_SECONDS = 0.05  # how often a waiting request looks at its cancel event
-
-
-class Overloaded(SpecdeployError):
-    """Every session is busy and the wait queue is full."""
-
-
-class QueueTimeout(Overloaded):
-    """No session came free within the pool's `wait_seconds`."""
-
-
-class Cancelled(SpecdeployError):
-    """The request was cancelled (its client left, or the pool shut down) while it waited."""
 
 
 class SessionPool:
@@ -57,6 +45,11 @@ class SessionPool:
         self.in_flight = 0
         self._live: weakref.WeakSet[Generation] = weakref.WeakSet()  # running generations
         self.closing = threading.Event()
+
+    @property
+    def capacity(self) -> int:
+        """Requests that generate at once: one per session."""
+        return len(self.sessions)
 
     @property
     def session(self) -> Session:

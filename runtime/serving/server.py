@@ -1,4 +1,5 @@
-"""`specdeploy serve`: an OpenAI-compatible HTTP server over a SessionPool.
+"""`specdeploy serve`: an OpenAI-compatible HTTP server over a SessionPool, or with `--batch` a
+BatchSession (continuous batching: every running request in one pass per round).
 
 POST /v1/completions and /v1/chat/completions (with `stream: true` as server-sent
 events), GET /health, GET /metrics (Prometheus text). Built on Starlette and uvicorn.
@@ -50,6 +51,7 @@ from specdeploy.core.manifest import load_bundle
 from specdeploy.runtime.decoding.request import (
     NUMBER, SETTINGS, Limits, Message, Request, RequestError, validate, wire_labels, wire_names,
 )
+from specdeploy.runtime.decoding.batch import BatchSession
 from specdeploy.runtime.serving.pool import Cancelled, Overloaded, QueueTimeout, SessionPool
 
 log = logging.getLogger("specdeploy.server")
@@ -289,7 +291,7 @@ def create_app(
         # Threads that wait for a session are kept out of the default pool (40 threads) that
         # runs rounds and tokenizing, so a full queue cannot starve them.
         if not limiter:
-            limiter.append(anyio.CapacityLimiter(pool.max_queue + len(pool.sessions) + 64))
+            limiter.append(anyio.CapacityLimiter(pool.max_queue + pool.capacity + 64))
         return limiter[0]
 
     def acquire_parse_limiter() -> anyio.CapacityLimiter:
@@ -341,7 +343,7 @@ def create_app(
         stopping = shutdown.stopping or pool.closing.is_set()
         return JSONResponse({"status": "stopping" if stopping else "ok", "model": model_name,
                              "digest": pool.bundle.digest,  # the bundle served, as `specdeploy inspect` prints it
-                             "sessions": len(pool.sessions), "in_flight": pool.in_flight, "waiting": pool.waiting,
+                             "sessions": pool.capacity, "in_flight": pool.in_flight, "waiting": pool.waiting,
                              "max_queue": pool.max_queue}, 503 if stopping else 200)
 
     async def metrics_endpoint(request: HttpRequest) -> Response:
@@ -623,17 +625,22 @@ def serve(bundle: str, host: str = "127.0.0.1", port: int = 8000, workers: int =
           threads: int | None = None, model_name: str | None = None, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
           graceful_seconds: float = DEFAULT_GRACEFUL_SECONDS, queue_timeout: float | None = None,
           max_prompt_chars: int | None = None, device: str | None = None, trt_ep: bool = False,
-          digest: str | None = None) -> None:
+          digest: str | None = None, batch: int | None = None) -> None:
     """Serve until SIGINT / SIGTERM; then drain for `graceful_seconds` as the module
     docstring says. `device`, `trt_ep`: where the sessions run (as for Session). `digest`
     ("sha256:...", as `specdeploy inspect` prints it): the bundle must be that one; any other
     is refused (BundleError, one line) before the sessions load and before listening. /health
-    states the digest served."""
+    states the digest served. `batch` N: continuous batching (runtime/decoding/batch.py), up to N
+    requests in one pass per round, instead of a pool of `workers` sessions."""
     if digest is not None:  # the manifest alone, at once: another bundle is refused before anything loads
         load_bundle(bundle, verify=False, digest=digest)
     # and each session's load compares it again, so a manifest changed in between is refused too
-    pool = SessionPool(bundle, workers=workers, max_queue=max_queue, threads=threads, wait_seconds=queue_timeout,
-                       device=device, trt_ep=trt_ep, digest=digest)
+    if batch:
+        pool = BatchSession(bundle, batch=batch, max_queue=max_queue, threads=threads, wait_seconds=queue_timeout,
+                            device=device, digest=digest)
+    else:
+        pool = SessionPool(bundle, workers=workers, max_queue=max_queue, threads=threads, wait_seconds=queue_timeout,
+                           device=device, trt_ep=trt_ep, digest=digest)
     shutdown = Shutdown(pool)
     app = create_app(pool, model_name or pool.bundle.path.name, max_body_bytes=max_body_bytes,
                      max_prompt_chars=max_prompt_chars, shutdown=shutdown)
