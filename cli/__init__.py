@@ -375,11 +375,13 @@ def serve(bundle, host, port, workers, batch, max_queue, threads, model_name, ma
               help="ort on the CPU; torch or trt on each instance's GPU.")
 @click.option("--threads", type=THREADS, help="ONNX Runtime intra-op threads per instance (default: all cores).")
 @click.option("--reference", is_flag=True, help="State the bundle's absolute path in config.pbtxt instead of copying it.")
+@click.option("--batch", type=int, default=None,
+              help="Continuous batching in each instance: up to N requests in one pass per round.")
 @click.option("--replace", is_flag=True,
               help="Replace an OUT/NAME that specdeploy wrote (anything else there is never touched).")
 @click.option("--check", "check_dir", type=click.Path(path_type=Path),
               help="Check the repository at this path instead: config.pbtxt against Triton's ModelConfig, model.py, bundle.")
-def triton_repo(bundle, out, name, instances, max_queue, backend, threads, reference, replace, check_dir):
+def triton_repo(bundle, out, name, instances, max_queue, backend, threads, reference, batch, replace, check_dir):
     """Write a Triton Inference Server model repository that serves BUNDLE (streaming, over
     gRPC or HTTP): OUT/NAME/config.pbtxt, OUT/NAME/1/model.py and OUT/NAME/1/bundle/ (the files
     BUNDLE's manifest lists), written whole or not at all."""
@@ -398,8 +400,10 @@ def triton_repo(bundle, out, name, instances, max_queue, backend, threads, refer
         return
     if bundle is None or out is None:
         raise InputError("give BUNDLE and OUT (or --check REPOSITORY)")
-    model_dir = triton.write_repository(bundle, out, name, instances, max_queue, backend, threads, reference, replace)
-    click.echo(f"wrote {model_dir} ({instances} instance(s), queue {max_queue}); serve it with "
+    model_dir = triton.write_repository(bundle, out, name, instances, max_queue, backend, threads, reference, replace,
+                                        batch=batch)
+    batching = f", batches of up to {batch}" if batch else ""
+    click.echo(f"wrote {model_dir} ({instances} instance(s){batching}, queue {max_queue}); serve it with "
                f"tritonserver --model-repository {out}", err=True)
 
 

@@ -50,7 +50,7 @@ def test_repository_layout_and_config(bundles, tmp_path):
     assert {t.name for t in config.input} == {t.name for t in triton.INPUTS}
     assert [t.name for t in config.input if not t.optional] == ["text_input"]
     assert {k: v.string_value for k, v in config.parameters.items()} == {"bundle": "bundle", "backend": "ort",
-                                                                       "threads": "1"}
+                                                                       "threads": "1", "batch": ""}
     assert (model / "1" / "model.py").read_text() == triton.template()
     assert Session(model / "1" / "bundle").bundle.max_seq == 128  # the copy loads, checksums verified
     check = cli("triton-repo", "--check", tmp_path / "repo")
@@ -231,6 +231,44 @@ def test_concurrent_streams_get_their_own_answers(served):
         assert answer is not None and answer.error is None, answer
         assert answer.token_ids == expected[i], prompts[i]
         assert answer.stats["new_tokens"] == len(expected[i])
+
+
+@pytest.fixture(scope="module")
+def served_batched(bundles, tmp_path_factory):
+    """One instance running continuous batching of up to 4 requests."""
+    reason = tritonserver.unavailable()
+    if reason:
+        pytest.skip(reason)
+    root = tmp_path_factory.mktemp("triton_batched")
+    bundle = bundles("llama-ngram")  # a model-free draft: the batch drafts for every lane
+    triton.write_repository(bundle, root / "repo", "spec", instances=1, max_queue=MAX_QUEUE, threads=1, batch=4)
+    assert 'key: "batch" value: { string_value: "4" }' in (root / "repo" / "spec" / "config.pbtxt").read_text()
+    server = tritonserver.TritonServer(root / "repo", root)
+    server.start()
+    yield server, bundle
+    server.stop()
+
+
+def test_a_batched_instance_answers_concurrent_streams_each_as_alone(served_batched):
+    server, bundle = served_batched
+    prompts = ["The quick brown fox", "def add(a, b):", "Zürich and Köln", "who, what, where", "Speculative decoding"]
+    session = Session(bundle, prompt_cache=False)
+    options = [dict(temperature=0.9, seed=i, draft_len=2) if i % 2 else dict(temperature=0.0) for i in range(len(prompts))]
+    expected = [session.generate(p, max_new_tokens=40 + 4 * i, **options[i]).token_ids for i, p in enumerate(prompts)]
+    answers: list[Answer | None] = [None] * len(prompts)
+
+    def client(i):
+        answers[i] = one(server.grpc_url, "spec", text_input=prompts[i], stream=True, max_tokens=40 + 4 * i, **options[i])
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    for i, answer in enumerate(answers):
+        assert answer is not None and answer.error is None, answer
+        assert answer.token_ids == expected[i], prompts[i]
+        assert answer.responses > 2 and answer.stats["new_tokens"] == len(expected[i])
 
 
 def test_the_queue_is_bounded(served):

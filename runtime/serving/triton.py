@@ -83,7 +83,7 @@ OUTPUTS = (
 # -- writing a repository ------------------------------------------------------------------
 
 def config_text(name: str, instances: int, max_queue: int, backend: str, bundle_path: str,
-                threads: int | None = None, source: str = "", digest: str = "") -> str:
+                threads: int | None = None, source: str = "", digest: str = "", batch: int | None = None) -> str:
     """config.pbtxt for a specdeploy model (protobuf text format of Triton's ModelConfig);
     `digest`: the bundle's, as `specdeploy inspect` prints it."""
     kind = KIND.get(backend, "KIND_CPU")  # (this writes what it is given: write_repository checks first)
@@ -123,7 +123,8 @@ output [
 parameters [
   {{ key: "bundle" value: {{ string_value: {bundle_value} }} }},  # relative to the version folder, or absolute
   {{ key: "backend" value: {{ string_value: "{backend}" }} }},  # ort (CPU), torch or trt (the instance's GPU)
-  {{ key: "threads" value: {{ string_value: "{'' if threads is None else threads}" }} }}  # intra-op threads per instance ("": all cores)
+  {{ key: "threads" value: {{ string_value: "{'' if threads is None else threads}" }} }},  # intra-op threads per instance ("": all cores)
+  {{ key: "batch" value: {{ string_value: "{'' if batch is None else batch}" }} }}  # "": one request at a time; N: up to N in one pass per round
 ]
 
 # The bundle this repository was written for (its digest, as `specdeploy inspect` prints it):
@@ -134,7 +135,7 @@ metric_tags [ {{ key: "{DIGEST_TAG}" value: "{digest}" }} ]
 
 def write_repository(bundle: str | Path, out: str | Path, name: str | None = None, instances: int = 1,
                      max_queue: int = DEFAULT_MAX_QUEUE, backend: str = "ort", threads: int | None = None,
-                     reference: bool = False, replace: bool = False) -> Path:
+                     reference: bool = False, replace: bool = False, batch: int | None = None) -> Path:
     """Write OUT/NAME/{config.pbtxt, 1/model.py, 1/bundle/}; returns OUT/NAME.
 
     `reference`: config.pbtxt states the bundle's absolute path instead of a copy (a repository
@@ -143,14 +144,20 @@ def write_repository(bundle: str | Path, out: str | Path, name: str | None = Non
     checked again against the bundle's digest. The model folder is written whole into a
     temporary folder beside OUT and moved into place, or not at all. `replace`: an OUT/NAME
     that is a model folder specdeploy wrote is replaced; anything else there is never touched.
+    `batch` N: each instance runs continuous batching (runtime/decoding/batch.py), up to N
+    requests in one pass per round, the rest of its queue waiting for a slot.
     """
     bundle, out = Path(bundle), Path(out)
     name = name if name is not None else bundle.resolve().name
-    problems = setting_problems(name, (instances,), max_queue, backend, threads)
+    problems = setting_problems(name, (instances,), max_queue, backend, threads) + batch_problems(
+        "" if batch is None else str(batch), backend)
     if problems:
         raise InputError(problems[0])
     _check_out(out)
     source = load_bundle(bundle, verify=True)  # a broken bundle never becomes a repository
+    if batch is not None and batch > source.max_batch:
+        raise InputError(f"--batch {batch}: {bundle}'s graphs carry at most {source.max_batch} sequences a pass "
+                         f"(re-export with --max-batch {batch})")
     model_dir = out / name
     if model_dir.exists() or model_dir.is_symlink():
         if not replace:
@@ -171,8 +178,10 @@ def write_repository(bundle: str | Path, out: str | Path, name: str | None = Non
         else:
             copy_bundle(source, version / BUNDLE_DIR)
             bundle_path = BUNDLE_DIR
+        # with batching, Triton's queue also holds the requests a batch is about to take
         (staged / "config.pbtxt").write_text(config_text(
-            name, instances, max_queue, backend, bundle_path, threads, source=str(bundle), digest=source.digest))
+            name, instances, max_queue + (batch or 0), backend, bundle_path, threads, source=str(bundle),
+            digest=source.digest, batch=batch))
         _move_into_place(staging, staged, out, model_dir)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
@@ -272,11 +281,12 @@ def is_written_model(model_dir: Path) -> bool:
 # -- the writer's rules: the writer refuses the first broken one, the check reports each ---------
 
 KIND = {backend: "KIND_GPU" if backend in GPU_BACKENDS else "KIND_CPU" for backend in BACKENDS}
-FLAGS = {"name": "--name", "instances": "--instances", "max_queue": "--max-queue", "backend": "--backend",
+FLAGS = {"name": "--name", "instances": "--instances", "max_queue": "--max-queue", "backend": "--backend", "batch": "--batch",
          "threads": "--threads", "kind": "instance kind"}
 CONFIG_FIELDS = {"name": "name", "instances": "instance_group count",
                  "max_queue": "dynamic_batching { default_queue_policy { max_queue_size } }",
-                 "backend": "parameter 'backend'", "threads": "parameter 'threads'", "kind": "instance_group kind"}
+                 "backend": "parameter 'backend'", "threads": "parameter 'threads'", "kind": "instance_group kind",
+                 "batch": "parameter 'batch'"}
 
 
 def setting_problems(name: str, instances: tuple[int, ...], max_queue: int | None, backend: str,
@@ -330,6 +340,18 @@ def _threads(threads: int | str | None) -> int | None:
     return threads
 
 
+def batch_problems(batch: str, backend: str, say: dict[str, str] | None = None) -> list[str]:
+    """What is wrong with a `batch` setting ("" or an integer 1..64 as text): one line each."""
+    name = (say or {}).get("batch", "--batch")
+    if batch == "":
+        return []
+    if not batch.isdigit() or not 1 <= int(batch) <= 64:
+        return [f"{name} {batch!r:.20}: expected an integer in [1, 64] (or empty: one request at a time)"]
+    if backend not in ("ort", "torch"):
+        return [f"{name} {batch}: batched passes run on the ort or torch backend, not {backend}"]
+    return []
+
+
 # -- the model's settings, read from config.pbtxt's parameters ------------------------------
 
 @dataclass(frozen=True)
@@ -338,6 +360,7 @@ class ModelSettings:
     backend: str = "ort"
     threads: int | None = None
     digest: str = ""  # the bundle's, recorded when the repository was written: model.py loads no other
+    batch: int | None = None  # continuous batching of up to this many requests per instance (None: one at a time)
 
     @classmethod
     def from_parameters(cls, parameters: dict[str, str], version_dir: Path, digest: str = "") -> "ModelSettings":
@@ -348,13 +371,14 @@ class ModelSettings:
             raise InputError("parameter 'bundle' is missing: the bundle's path, relative to the version folder")
         backend = parameters.get("backend", "ort") or "ort"
         threads = parameters.get("threads", "")
-        problems = runtime_problems(backend, threads, CONFIG_FIELDS)
+        batch = parameters.get("batch", "")
+        problems = runtime_problems(backend, threads, CONFIG_FIELDS) + batch_problems(batch, backend, CONFIG_FIELDS)
         if problems:
             raise InputError(problems[0])
         if not digest.startswith("sha256:"):
             raise InputError(f'metric_tags "{DIGEST_TAG}" {digest!r} is not a bundle digest (sha256:...); '
                              "write the repository again")
-        return cls(Path(version_dir) / path, backend, _threads(threads), digest)
+        return cls(Path(version_dir) / path, backend, _threads(threads), digest, int(batch) if batch else None)
 
     @classmethod
     def from_model_config(cls, config: dict, version_dir: Path) -> "ModelSettings":

@@ -5,7 +5,9 @@ name the bundle, the backend and the threads, and its metric_tags the bundle's d
 bundle edited since the repository was written is refused when the model loads. Triton starts one process per instance; each
 loads the bundle once (a Session: its engines and KV buffers, on the CPU one thread pool for
 both: see share_cpu_threads) and runs one request at a time,
-while Triton queues the others. The model is decoupled: with `stream` true it sends one
+while Triton queues the others; or, with the parameter `batch` N, continuous batching: up to N
+requests in one pass per round (a BatchSession), each request served by a thread of its own
+while `execute` returns at once, the rest waiting in the instance's queue (max_queue_size). The model is decoupled: with `stream` true it sends one
 response per round (the text that round completed and its token ids), otherwise one
 response with the whole answer; the last response carries `finish_reason` and `stats`.
 
@@ -14,6 +16,7 @@ the Python that runs it needs specdeploy's lean runtime installed (numpy, onnxru
 tokenizers, jinja2), never torch unless the torch backend is chosen.
 """
 import json
+import threading
 from pathlib import Path
 
 import triton_python_backend_utils as pb_utils
@@ -21,6 +24,7 @@ import triton_python_backend_utils as pb_utils
 from specdeploy.core.errors import InputError, SpecdeployError
 from specdeploy.runtime import share_cpu_threads
 from specdeploy.runtime.serving import triton
+from specdeploy.runtime.decoding.batch import BatchSession
 from specdeploy.runtime.decoding.session import Session
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
@@ -35,9 +39,17 @@ class TritonPythonModel:
             triton.select_gpu(int(args["model_instance_device_id"]))  # before any CUDA work in this process
         if settings.backend == "ort":  # a process of its own: its target and draft take turns on one pool
             share_cpu_threads(settings.threads)
+        self.batched = settings.batch is not None
         try:
-            self.session = Session(settings.bundle, threads=settings.threads, backend=settings.backend,
-                                   digest=settings.digest)
+            if self.batched:
+                queue = config.get("dynamic_batching", {}).get("default_queue_policy", {}).get("max_queue_size", 8)
+                # Triton's queue holds the requests the batch has not taken yet (triton.write_repository)
+                waiting = max(0, int(queue) - settings.batch)
+                self.session = BatchSession(settings.bundle, batch=settings.batch, max_queue=waiting,
+                                            threads=settings.threads, backend=settings.backend, digest=settings.digest)
+            else:
+                self.session = Session(settings.bundle, threads=settings.threads, backend=settings.backend,
+                                       digest=settings.digest)
         except SpecdeployError as e:  # the reason in one line: the model stays unloaded
             raise pb_utils.TritonModelException(str(e).splitlines()[0]) from None
         self.limits = self.session.limits
@@ -46,7 +58,10 @@ class TritonPythonModel:
     def execute(self, requests):
         """Decoupled: every response goes through the request's sender; nothing is returned."""
         for request in requests:
-            self._serve(request, request.get_response_sender())
+            if self.batched:  # the batch runs it: a thread waits on its rounds, execute takes the next
+                threading.Thread(target=self._serve, args=(request, request.get_response_sender()), daemon=True).start()
+            else:
+                self._serve(request, request.get_response_sender())
         return None
 
     def _serve(self, request, sender):
@@ -88,6 +103,8 @@ class TritonPythonModel:
                 pb_utils.Logger.log_warn(f"could not send the error: {type(again).__name__}: {again}")
 
     def finalize(self):
+        if self.batched:
+            self.session.close()
         self.session = None
 
 
