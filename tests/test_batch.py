@@ -305,3 +305,31 @@ def test_the_server_batches_concurrent_http_requests_and_answers_each_as_alone(b
         health = server.health()
     assert got == want
     assert health["sessions"] == 4 and batched.rounds > 0
+
+
+@pytest.mark.parametrize("buckets", [False, True], ids=["exact", "buckets"])
+def test_the_torch_backend_batches_each_request_as_alone(bundles, buckets):
+    """The torch backend's batched engine, eager on the CPU: with `buckets`, the bookkeeping of
+    its captured passes (batches padded to 1, 2, 4, 8 lanes, windows to powers of two) runs
+    eager, padding lanes included, and changes nothing."""
+    work = jobs(12)
+    want = solo(bundles("llama-ngram"), work, backend="torch")
+    batched = BatchSession(bundles("llama-ngram"), batch=4, max_queue=32, backend="torch")
+    batched.target.buckets = buckets
+    try:
+        assert concurrently(batched, work, stagger=0.002) == want
+        stats = batched.target.stats
+        assert stats.passes > 0 and stats.replays == 0  # no GPU here: every pass eager
+    finally:
+        batched.close()
+
+
+def test_the_torch_backend_refuses_to_batch_an_int_target(copy_of):
+    import json
+
+    folder = copy_of("llama-ngram")
+    manifest = json.loads((folder / "manifest.json").read_text())
+    manifest["models"]["target"]["dtype"] = "int4"  # refused from the manifest, before anything is rebuilt
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(InputError, match="not bit-identical from one pass shape to another"):
+        BatchSession(folder, batch=2, backend="torch")

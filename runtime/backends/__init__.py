@@ -118,7 +118,10 @@ def make_batch_engine(backend: str, bundle, batch: int, threads: int | None = No
 
         return OrtBatchEngine(bundle.file(spec.graph), spec, bundle.max_seq, batch, threads)
     if choice.name == "torch":
-        return engine_class("torch").batched(bundle, spec, batch, threads=threads, **choice.engine_options())
+        engine_class("torch")  # torch installed, or the one-line error
+        from .torch_batch import TorchBatchEngine
+
+        return TorchBatchEngine.from_bundle(bundle, spec, batch, threads=threads, **choice.engine_options())
     raise InputError(f"backend {choice.name!r} runs one sequence per pass; batched serving takes --backend ort or torch")
 
 

@@ -78,10 +78,12 @@ class OrtBatchEngine:
                 binding.bind_output(out, "cpu", 0, buffer.dtype, shape, address)
         return binding
 
-    def forward(self, tokens: np.ndarray, starts: np.ndarray, first: int = 0, last: bool = False) -> np.ndarray:
+    def forward(self, tokens: np.ndarray, starts: np.ndarray, first: int = 0, last: bool = False,
+                pad: bool = True) -> np.ndarray:
         """tokens [B, T] written at slots first..first+B-1, sequence b at positions starts[b]..
         starts[b]+T-1 -> logits [B, T, V] (`last`: [B, 1, V], each sequence's last row only).
-        The array is this engine's buffer: valid until the next pass."""
+        The array is this engine's buffer: valid until the next pass. (`pad`: unused here: no
+        pass is padded.)"""
         tokens = np.ascontiguousarray(tokens, dtype=np.int64)
         starts = np.ascontiguousarray(starts, dtype=np.int64)
         b, t = tokens.shape

@@ -565,7 +565,7 @@ class BatchSession(Prompts):
                 starts[i] = start - shift
                 offsets.append(shift)
         t0 = time.perf_counter()
-        logits = self.target.forward(rows, starts)
+        logits = self.target.forward(rows, starts, pad=self._may_pad(b))
         seconds = time.perf_counter() - t0
         self.rounds += 1
         drafted = held = False
@@ -586,6 +586,16 @@ class BatchSession(Prompts):
         timing["pass_seconds"] += seconds
         timing["lanes"] += b
         timing["rounds"] += 1
+
+    def _may_pad(self, b: int) -> bool:
+        """Whether the slots after the first b may take an engine's padding lanes (TorchBatchEngine):
+        none holds K/V at or past the engine's padding floor."""
+        floor = getattr(self.target, "padding_floor", None)
+        if floor is None:
+            return False
+        lengths = [lane.kv_length for lane in self._lanes if lane.slot >= b]
+        lengths += [held[1] for held in self._held[b:] if held is not None]
+        return max(lengths, default=0) <= floor
 
     def _judge(self, lane: Lane, logits: np.ndarray, seconds: float) -> tuple[np.ndarray, Round]:
         """The lane's verdict on its rows, by the rules its round would have alone."""
