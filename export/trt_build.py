@@ -22,7 +22,7 @@ import numpy as np
 from specdeploy.core.errors import BundleError, ExportError, InputError
 from specdeploy.core.graph_io import LOGITS_ROWS
 from specdeploy.core.manifest import Manifest, load_bundle, sha256_file, verify_files, write_manifest
-from specdeploy.core.trt_profiles import ARGMAX, Profile, profiles_for
+from specdeploy.core.trt_profiles import ARGMAX, Profile, batch_inputs, profiles_for
 
 from .trt_ops import check_bundle
 
@@ -33,17 +33,20 @@ MIN_TENSORRT = (10, 15)
 def build_profiles(manifest: Manifest) -> list[Profile]:
     """The optimization profiles a bundle's engines get: a draft step (T = 1), a verify pass
     (T up to max_draft + 1) and a prefill chunk (T up to prefill_chunk), L up to max_seq."""
-    return profiles_for(manifest.max_seq, manifest.max_draft, manifest.prefill_chunk)
+    batched = any(batch_inputs(m) for m in getattr(manifest, "models", {}).values())  # graphs with a batch dimension
+    return profiles_for(manifest.max_seq, manifest.max_draft, manifest.prefill_chunk,
+                        getattr(manifest, "max_batch", 1) if batched else 1)
 
 
-def profile_shapes(manifest: Manifest) -> list[dict[str, tuple]]:
+def profile_shapes(manifest: Manifest, role: str | None = None) -> list[dict[str, tuple]]:
     """Per profile, {input name: (min, opt, max)}, exactly as passed to `set_shape`.
 
     >>> from types import SimpleNamespace  # the three fields of a Manifest it reads
     >>> profile_shapes(SimpleNamespace(max_seq=128, max_draft=4, prefill_chunk=16))[0]["attention_mask"]
     ((1, 1, 1, 1), (1, 1, 1, 64), (1, 1, 1, 128))
     """
-    return [p.shapes() for p in build_profiles(manifest)]
+    batched = batch_inputs(manifest.models[role]) if role is not None else None
+    return [p.shapes(batched) for p in build_profiles(manifest)]
 
 
 def plan_file(role: str) -> str:
@@ -246,7 +249,7 @@ def build_engines(
             config.clear_flag(trt.BuilderFlag.TF32)
         for p in profiles:
             profile = builder.create_optimization_profile()
-            for name, (lo, opt, hi) in p.shapes().items():
+            for name, (lo, opt, hi) in p.shapes(batch_inputs(entry)).items():
                 profile.set_shape(name, lo, opt, hi)
             config.add_optimization_profile(profile)
         cache = _use_timing_cache(config, cache, cache_path, log)

@@ -292,7 +292,12 @@ def test_build_engines_records_plans_profiles_and_gpu_in_the_manifest(built, tmp
     flags, workspace, built_profiles, cache_in, cleared = trt.built[0]
     assert flags == 1 << 0 and workspace == 1 << 29  # STRONGLY_TYPED; 0.5 GiB
     assert cleared == {"TF32"} and manifest["models"]["target"]["trt"]["tf32"] is False  # fp32 bundle: fp32 math
-    assert built_profiles == [{k: [list(s) for s in v] for k, v in shapes.items()} for shapes in profile_shapes(bundle.manifest)]
+    assert built_profiles == [{k: [list(s) for s in v] for k, v in shapes.items()}
+                              for shapes in profile_shapes(bundle.manifest, "target")]
+    # the graphs take a batch dimension: every profile ranges B over 1..max_batch, the KV buffers included
+    assert all(p["B"] == [1, 1, bundle.manifest.max_batch] for p in profiles)
+    assert built_profiles[0]["past_key_0"][2][0] == bundle.manifest.max_batch == 8
+    assert built_profiles[0]["write_indices"] == [[1], [1], [8]]
     assert (tmp_path / "timing.cache").read_bytes() == b"timing cache after "  # saved after the builds
     assert trt.built[1][3] == cache_in  # both models built with the one cache
     build_engines(bundle_dir, timing_cache=tmp_path / "timing.cache", modules=(trt, cudart))

@@ -51,7 +51,7 @@ from specdeploy.core.choices import NUMPY_DTYPES
 from specdeploy.core.errors import BundleError, InputError
 from specdeploy.core.graph_io import check_pass, fill_mask, window_length
 from specdeploy.core.manifest import ModelSpec
-from specdeploy.core.trt_profiles import ARGMAX, Profile, select_profile
+from specdeploy.core.trt_profiles import ARGMAX, Profile, batch_inputs, select_profile
 
 from specdeploy.runtime.decoding.engine import Checked
 from specdeploy.runtime.decoding.sampling import sample, warp
@@ -417,6 +417,12 @@ class TrtEngine:
             raise CudaError(f"{self.name}: TensorRT could not create an execution context (out of device memory?)")
         if not ctx.set_optimization_profile_async(profile, self._stream_handle):
             raise CudaError(f"{self.name}: could not select optimization profile {profile}")
+        # a graph with a batch dimension: this engine runs one sequence per pass, so its other
+        # batched inputs (write_indices, the KV buffers) are set once, at B = 1
+        for name, dims in batch_inputs(self.spec).items():
+            if not ctx.set_input_shape(name, (1, *dims)):
+                raise InputError(f"{self.name}: {name} shape {[1, *dims]} is outside the engine's profile {profile}; "
+                                 "rebuild the engine")
         for name, address in self._addresses.items():
             if not ctx.set_tensor_address(name, address):
                 raise CudaError(f"{self.name}: set_tensor_address({name}) refused address {address:#x}")

@@ -76,9 +76,10 @@ def load_engine(trt, plan_path: Path, spec: ModelSpec, entry: dict, max_seq: int
         )
     kv_in = spec.kv_names[0][0]
     kv_shape = (1, spec.num_kv_heads, max_seq, spec.head_dim)
-    if dtypes[kv_in] != np.dtype(spec.kv_dtype) or tuple(engine.get_tensor_shape(kv_in)) != kv_shape:
+    got = tuple(engine.get_tensor_shape(kv_in))
+    if dtypes[kv_in] != np.dtype(spec.kv_dtype) or (got[:1] not in ((1,), (-1,))) or got[1:] != kv_shape[1:]:
         raise BundleError(
-            f"{plan_path}: KV tensor {kv_in} is {dtypes[kv_in]} {tuple(engine.get_tensor_shape(kv_in))}, the manifest "
+            f"{plan_path}: KV tensor {kv_in} is {dtypes[kv_in]} {got}, the manifest "
             f"says {spec.kv_dtype} {kv_shape}; rebuild the engine"
         )
     if engine.num_optimization_profiles != len(entry["profiles"]):
