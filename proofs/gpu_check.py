@@ -123,6 +123,7 @@ from torch import nn  # noqa: E402
 
 from specdeploy.export.graph import SpecGraph  # noqa: E402
 from specdeploy.runtime.backends.torch_engine import TorchEngine  # noqa: E402
+from specdeploy.runtime.backends.torch_batch import TorchBatchEngine  # noqa: E402
 from specdeploy.core.analytic import acceptance_estimate, predicted_speedup, tokens_per_pass  # noqa: E402
 from specdeploy.core.manifest import ModelSpec  # noqa: E402
 from specdeploy.runtime.decoding.drafters import ModelDrafter  # noqa: E402
@@ -539,6 +540,7 @@ def correctness(c: Check, plan: Plan, device: str, builder: str, prompts, new_to
     c.check("kv_buffers_keep_addresses", now == kv0, engines=list(kv0))
     sync_check(c, target, target_eager, vocab, device)
     round_sync_check(c, target, drafters["self"], prompts[0], new_tokens, device)
+    batched_check(c, target_graph, device, prompts, new_tokens)
     del target, target_eager, drafters, target_graph, draft_graph
     free(device)
 
@@ -557,6 +559,55 @@ def restricted_head_as_exported(c: Check, plan: Plan, device: str, builder: str)
     replay_matches_eager(c, graph, "draft", device, vocab_of(graph), name="restricted_head_captures_as_exported",
                          model=names[0], head_vocab_device=str(graph.head_vocab.device))
     del graph
+    free(device)
+
+
+def batched_check(c: Check, graph, device: str, prompts, new_tokens: int) -> None:
+    """Batched passes (runtime/backends/torch_batch.py): up to 4 sequences decode greedily in one
+    pass each step, joining one by one (batch buckets 1, 2, 4, padding lanes included), with
+    verify-wide passes (T = 3) between; the captured engine's logits against the eager one's
+    (replay == eager, as for single passes), and each sequence's tokens against the same prompt
+    decoded alone. On a GPU the kernels chosen for B rows may sum in another order than for one,
+    so agreement with decoding alone is reported (a near-tie may flip), not required."""
+    spec = spec_of(graph, "target", torch.float32)
+    engines = {mode: TorchBatchEngine(graph, spec, MAX_SEQ, 4, device=device, capture=mode == "captured",
+                                      buckets=mode == "captured", capture_max_t=MAX_DRAFT + 1) for mode in ("eager", "captured")}
+    alone = engine(graph, "target", torch.float32, device, False)
+    lanes = [np.asarray(p[: 40 + 9 * i], dtype=np.int64) for i, p in enumerate((list(prompts) * 4)[:4])]
+    worst, flips, steps = 0.0, 0, 0
+    tokens = {mode: [list(lane) for lane in lanes] for mode in engines}
+    for mode, e in engines.items():
+        seqs = tokens[mode]
+        for i, lane in enumerate(lanes):  # lane i joins after i * 4 steps of the others
+            for at in range(0, lane.shape[0] - 1, PREFILL_CHUNK):
+                e.forward(lane[None, at : min(at + PREFILL_CHUNK, lane.shape[0] - 1)], np.array([at]), first=i, last=True)
+        for step in range(new_tokens):
+            live = [i for i in range(len(lanes)) if step >= 4 * i]
+            wide = step % 5 == 4  # a verify-wide pass: the last token and two repeats of it
+            rows = np.array([[seqs[i][-1]] * (3 if wide else 1) for i in live], dtype=np.int64)
+            starts = np.array([len(seqs[i]) - 1 for i in live], dtype=np.int64)
+            out = e.forward(rows, starts).copy()
+            for j, i in enumerate(live):
+                seqs[i].append(int(out[j, 0].argmax()))
+            if mode == "captured":
+                steps += 1
+    # replay against eager: the same sequences, pass by pass, are compared through their tokens and a last pass
+    for i in range(len(lanes)):
+        flips += int(tokens["captured"][i] != tokens["eager"][i])
+    probe = np.array([[tokens["eager"][i][-1]] for i in range(len(lanes))], dtype=np.int64)
+    starts = np.array([len(tokens["eager"][i]) - 1 for i in range(len(lanes))], dtype=np.int64)
+    want, got = engines["eager"].forward(probe, starts).copy(), engines["captured"].forward(probe, starts).copy()
+    worst = float(np.abs(got - want).max() / max(1.0, float(np.abs(want).max())))
+    agree = 0
+    for i, lane in enumerate(lanes):  # each lane decoded alone
+        solo, _, _, _ = generate(alone, None, lane, len(tokens["eager"][i]) - lane.shape[0], 0)
+        agree += solo == tokens["eager"][i][lane.shape[0]:]
+    s = engines["captured"].stats
+    replayed = s.replays > 0 or not device.startswith("cuda")
+    c.check("batched_replay_equals_eager", worst <= 1e-4 and flips == 0 and s.capture_error is None and replayed,
+            max_rel_diff=worst, sequences_differing=flips, steps=steps, graphs=[list(g) for g in s.graphs],
+            replays=s.replays, capture_error=s.capture_error, sequences_equal_to_alone=f"{agree}/{len(lanes)}")
+    del engines, alone
     free(device)
 
 

@@ -25,7 +25,8 @@ def test_tiny_runs_end_to_end(tmp_path):
     report = json.loads((tmp_path / "gpu_check.json").read_text())
     assert report["failed"] == []
     assert {"replay_matches_eager_target", "lossless_speculative_equals_plain", "prompt_cache_equals_fresh",
-            "sampled_replays_from_seed", "at_most_one_sync_per_round", "restricted_head_captures_as_exported"} <= set(report["checks"])
+            "sampled_replays_from_seed", "at_most_one_sync_per_round", "restricted_head_captures_as_exported",
+            "batched_replay_equals_eager"} <= set(report["checks"])
     assert set(report["loops"]) == {"tiny+draft", "tiny+distilled", "tiny-b+draft-b"}
     for loop in report["loops"].values():
         rows = loop["rows"]
