@@ -12,9 +12,11 @@ from specdeploy.core.errors import BundleError, ExportError, InputError, Specdep
 from specdeploy.runtime.decoding.stats import Stats
 from specdeploy.runtime.serving.pool import Overloaded, SessionPool
 from specdeploy.runtime.decoding.session import Generation, Piece, Result, Session
+from specdeploy.runtime.decoding.batch import BatchSession
 from .backends.ort import share_cpu_threads
 
 __all__ = [
+    "BatchSession",
     "Bundle",
     "BundleError",
     "ExportError",

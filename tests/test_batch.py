@@ -67,7 +67,7 @@ def test_every_request_in_a_batch_equals_it_alone(bundles, name):
 
 
 def _started(batched, work):
-    """Start each request in a thread; return the generations once all are admitted."""
+    """Start each request in a thread, in order; return once all wait (under `hold`) or run."""
     gens = [None] * len(work)
 
     def start(i):
@@ -75,11 +75,11 @@ def _started(batched, work):
         gens[i] = batched.stream(p, **kw)
 
     threads = [threading.Thread(target=start, args=(i,)) for i in range(len(work))]
-    for t in threads:
-        t.start()
     deadline = time.monotonic() + 10
-    while batched.waiting < len(work) and time.monotonic() < deadline:
-        time.sleep(0.001)
+    for i, t in enumerate(threads):  # one after another: they queue, and take their slots, in this order
+        t.start()
+        while batched.waiting < i + 1 and gens[i] is None and time.monotonic() < deadline:
+            time.sleep(0.001)
     return threads, gens
 
 
@@ -97,12 +97,12 @@ def test_a_lane_that_leaves_moves_the_last_one_with_all_its_kv(bundles):
     want = solo(bundles("llama-ngram"), work)
     batched = BatchSession(bundles("llama-ngram"), batch=3)
     try:
-        with batched.hold():
+        with batched.hold():  # admitted together, in order: slots 0, 1, 2
             threads, gens = _started(batched, work)
         for t in threads:
             t.join()
-        assert [g.lane.slot for g in gens] == [0, 1, 2]
         assert [collect(g) for g in gens] == want
+        assert gens[0].lane.slot == 2  # the first to leave went past the others, which closed up
     finally:
         batched.close()
 
@@ -114,13 +114,16 @@ def test_joining_and_leaving_mid_generation_changes_no_other_output(bundles):
     long = (tiny.PROMPTS[16], dict(max_new_tokens=60))
     joiners = [(tiny.PROMPTS[1], dict(max_new_tokens=20, temperature=0.7, seed=5)), (tiny.PROMPTS[4], dict(max_new_tokens=25))]
     want = solo(bundle, [long] + joiners)
+    from loopback import slow_down
+
     batched = BatchSession(bundle, batch=4)
+    slow_down(batched, 0.005)  # the quitter is still running when it is closed
     try:
         first = batched.stream(long[0], **long[1])
         got = next(first).token_ids  # it is mid-generation
         while len(got) < 10:
             got += next(first).token_ids
-        quitter = batched.stream(tiny.PROMPTS[7], max_new_tokens=60)
+        quitter = batched.stream(tiny.PROMPTS[7], max_new_tokens=100)
         next(quitter)
         threads, gens = _started(batched, joiners)
         for t in threads:
@@ -137,9 +140,12 @@ def test_joining_and_leaving_mid_generation_changes_no_other_output(bundles):
 def test_a_cancelled_request_frees_its_slot_for_a_waiting_one(bundles):
     """Limits before work (a full queue refuses at once), and a cancelled request's slot goes to
     the waiting one at the next round boundary: the cancelled lane runs no further round."""
+    from loopback import slow_down
+
     batched = BatchSession(bundles("llama-ngram"), batch=1, max_queue=1)
+    slow_down(batched, 0.01)  # 120 tokens take over a second: it is still running when cancelled
     try:
-        gen = batched.stream(tiny.PROMPTS[0], max_new_tokens=120)
+        gen = batched.stream(tiny.PROMPTS[0], max_new_tokens=120, speculate=False)
         next(gen)
         waiter = {}
         with batched.hold():
@@ -333,3 +339,25 @@ def test_the_torch_backend_refuses_to_batch_an_int_target(copy_of):
     (folder / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(InputError, match="not bit-identical from one pass shape to another"):
         BatchSession(folder, batch=2, backend="torch")
+
+
+def test_a_prompt_wholly_in_a_slot_joins_the_decoding_lanes_at_once(bundles):
+    """A one-token prompt (nothing to prefill) joins while another lane is still prefilling: it
+    decodes beside the running lanes from its first round, each as alone."""
+    bundle = bundles("llama-ngram")
+    long_prompt = " ".join(tiny.PROMPTS)[:150]  # several prefill chunks
+    work = [(tiny.PROMPTS[0], dict(max_new_tokens=30)), (long_prompt, dict(max_new_tokens=10)),
+            ("a", dict(max_new_tokens=10))]
+    want = solo(bundle, work)
+    batched = BatchSession(bundle, batch=3)
+    try:
+        first = batched.stream(work[0][0], **work[0][1])
+        got = next(first).token_ids
+        with batched.hold():
+            threads, gens = _started(batched, work[1:])
+        for t in threads:
+            t.join()
+        assert got + collect(first) == want[0]
+        assert [collect(g) for g in gens] == want[1:]
+    finally:
+        batched.close()

@@ -430,6 +430,8 @@ class BatchSession(Prompts):
             lane.stats.cached_tokens = reuse
             lane.started = time.perf_counter()
             self._lanes.append(lane)
+            if lane.ready:  # its whole prompt was in the slot (or it is one token): into the ready region
+                self._move(lane, sum(1 for other in self._lanes if other.ready and other is not lane))
             lane.admitted.set()
 
     def step(self) -> None:
