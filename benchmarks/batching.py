@@ -15,9 +15,15 @@ Per request it records the time to its first token (TTFT, from the request's sta
 included), the gaps between its pieces divided by the tokens each brought (inter-token
 latency, ITL), and its decode time (first token to last). Reported per mode and C:
 
-- decode tok/s: tokens after each request's first, summed, over the time some request of
-  the run was decoding (the union of the requests' first-to-last intervals): what the
-  engine delivers while it decodes, prefill and queueing left out;
+- decode-only tok/s at C (batched modes): the tokens the scheduler's rounds with all C lanes
+  running committed, over those rounds' time (their passes and the host work around them):
+  C streams decoding together, prefill and the gaps while a finished request's successor
+  joins left out (`BatchSession.timing_by_lanes`);
+- decode tok/s, served: tokens after each request's first, summed, over the time some
+  request of the run was decoding (the union of the requests' first-to-last intervals). It
+  counts, inside those intervals, the prefill passes of requests joining, the rounds run
+  with fewer lanes while a successor joins, and the tail where streams have run out of
+  requests: what a client population of C sees, and the one figure the pool also has;
 - total tok/s: every new token over the run's wall time (whole requests, prefill included);
 - TTFT and ITL p50/p99.
 
@@ -136,6 +142,7 @@ def main() -> None:
             for mode in modes:
                 server = pool if mode == "pool" else batched
                 before = dict(server.timing) if mode != "pool" else None
+                full_before = list(server.timing_by_lanes.get(c, [0, 0.0, 0])) if mode != "pool" else None
                 run = run_streams(server, prompts, c, args.max_new_tokens, speculate=mode == "spec")
                 for p, r in zip(prompts, run["records"]):
                     if r["ids"] != reference[p]:
@@ -148,9 +155,13 @@ def main() -> None:
                     s["mean_lanes"] = d["lanes"] / d["rounds"]
                     s["prefill_share"] = d["prefill_seconds"] / run["wall"]
                     s["host_share"] = 1 - d["pass_seconds"] / d["round_seconds"]
+                    full = [a - b for a, b in zip(server.timing_by_lanes.get(c, [0, 0.0, 0]), full_before)]
+                    s["full_tok_s"] = full[2] / full[1] if full[1] else float("nan")  # rounds with all C lanes
+                    s["full_share"] = full[0] / d["rounds"]
                 print(f"streams {c} {mode:5s} rep {rep}: decode {s['decode_tok_s']:6.1f} tok/s, total "
                       f"{s['total_tok_s']:6.1f} tok/s, TTFT p50 {s['ttft_p50_ms']:6.0f} ms, ITL p50 {s['itl_p50_ms']:5.1f} "
-                      f"p99 {s['itl_p99_ms']:6.1f} ms" + (f"; rounds alone {s['round_tok_s']:6.1f} tok/s, {s['mean_lanes']:.2f} "
+                      f"p99 {s['itl_p99_ms']:6.1f} ms" + (f"; rounds of all {c} lanes {s['full_tok_s']:6.1f} tok/s "
+                      f"({100 * s['full_share']:.0f}% of rounds); rounds alone {s['round_tok_s']:6.1f} tok/s, {s['mean_lanes']:.2f} "
                       f"lanes a round, host {100 * s['host_share']:.0f}%, prefill {100 * s['prefill_share']:.0f}% of the run"
                       if "round_tok_s" in s else ""), flush=True)
         if batched is not None:
@@ -165,13 +176,15 @@ def main() -> None:
 
 
 def table(report: dict) -> str:
-    lines = ["| streams | mode | decode tok/s | total tok/s | TTFT p50 / p99 ms | ITL p50 / p99 ms |",
-             "|---|---|---|---|---|---|"]
+    lines = ["| streams | mode | decode-only tok/s, rounds of all C lanes | decode tok/s, served | total tok/s | "
+             "TTFT p50 / p99 ms | ITL p50 / p99 ms |",
+             "|---|---|---|---|---|---|---|"]
     for c, modes in report["runs"].items():
         for mode, s in modes.items():
             if mode == "all":
                 continue
-            lines.append(f"| {c} | {mode} | {s['decode_tok_s']:.1f} | {s['total_tok_s']:.1f} | "
+            full = f"{s['full_tok_s']:.1f}" if "full_tok_s" in s else "-"
+            lines.append(f"| {c} | {mode} | {full} | {s['decode_tok_s']:.1f} | {s['total_tok_s']:.1f} | "
                          f"{s['ttft_p50_ms']:.0f} / {s['ttft_p99_ms']:.0f} | {s['itl_p50_ms']:.1f} / {s['itl_p99_ms']:.1f} |")
     return "\n".join(lines)
 

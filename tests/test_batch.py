@@ -264,6 +264,19 @@ def test_policy_drafts_where_wide_passes_are_cheap_and_stops_where_they_are_dear
     assert picks.count(1) >= 56  # the probes are rare
 
 
+def test_policy_settled_on_plain_steps_looks_nothing_up_but_probes():
+    """Once plain steps won at a batch size, the next rounds there look no chain up (host work
+    for nothing), except for a probe now and then; another batch size evaluates as ever."""
+    policy = BatchPolicy(max_draft=8)
+    policy.costs[8] = _measured(16.0, 9.6)
+    policy.costs[1] = _measured(6.0, 0.3)
+    holds = [(4, np.full(4, 0.6))] * 8
+    assert policy.choose(8, 1, holds) in (1, 2)
+    looked = [policy.looks(8) for _ in range(BatchPolicy.SETTLED - 1)]
+    assert looked.count(False) >= BatchPolicy.SETTLED - 2
+    assert policy.looks(1) and policy.choose(1, 1, [(4, np.full(4, 0.6))]) > 1
+
+
 def test_policy_catches_a_cost_model_that_ignores_the_batch():
     """The companion: priced with B = 1's costs, the same 8 lanes would draft (and be slower)."""
     policy = BatchPolicy(max_draft=8)

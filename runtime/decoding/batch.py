@@ -42,7 +42,7 @@ from specdeploy.runtime.decoding.accept import accept_chain, accept_path
 from specdeploy.runtime.decoding.drafters import drafter_class, make_drafter
 from specdeploy.runtime.decoding.engine import Checked
 from specdeploy.runtime.decoding.loop import EMPTY_TREE, check_finite
-from specdeploy.runtime.decoding.policy import PassCost, Probes, TreeSize
+from specdeploy.runtime.decoding.policy import DraftLength, PassCost, Probes, TreeSize
 from specdeploy.runtime.decoding.request import Request
 from specdeploy.runtime.decoding.sampling import SamplingParams
 from specdeploy.runtime.decoding.session import Generation, Prompts, Result, Session, text_pieces
@@ -82,11 +82,27 @@ class BatchPolicy:
 
     PAYS = TreeSize.PAYS
     PRIOR_SLOPE = 0.05  # the extra cost of a token per lane, relative to a plain pass, before any is measured
+    # Plain rounds at a batch size before the rates are evaluated again, once they chose plain
+    # steps there: those rounds look nothing up (a lookup and an estimate per lane is host work
+    # every round of a batch that has settled on plain steps would pay for nothing).
+    SETTLED = DraftLength.SETTLED
 
     def __init__(self, max_draft: int):
         self.max_draft = max_draft
         self.costs: dict[int, PassCost] = {}
         self.probes = Probes()
+        self._resting: dict[int, int] = {}  # batch size -> plain rounds left before the next evaluation
+        self._probe = False  # the round being planned is a probe
+
+    def looks(self, lanes: int) -> bool:
+        """Whether this round looks up the chains of the lanes the policy drafts for: not while
+        it rests on plain steps at this batch size, except for a probe now and then."""
+        left = self._resting.get(lanes, 0)
+        if left <= 0:
+            return True
+        self._resting[lanes] = left - 1
+        self._probe = self.probes.due()
+        return self._probe
 
     def cost(self, lanes: int) -> PassCost:
         c = self.costs.get(lanes)
@@ -98,8 +114,11 @@ class BatchPolicy:
         """The pass's T: `least` the lanes that choose for themselves need; `chains` the (length,
         per-rank acceptance) of each lane the policy drafts for."""
         longest = max((n for n, _ in chains), default=0)
+        probe, self._probe = self._probe, False
         if longest == 0 or least > longest:
             return least
+        if probe:
+            return max(least, 2)
         cost = self.cost(lanes)
         if not cost.measured:
             return least  # a pass at the least T first: the cost's fit starts from it
@@ -113,6 +132,7 @@ class BatchPolicy:
         if least == 1 and best > 0 and rates[best] < self.PAYS * rates[0]:
             best = 0
         if least == 1 and best == 0:
+            self._resting[lanes] = self.SETTLED - 1
             return 2 if self.probes.due() else 1
         return int(ts[best])
 
@@ -218,6 +238,7 @@ class BatchSession(Prompts):
         # work around them), prefill passes; and the tokens the rounds committed
         self.timing = {"round_seconds": 0.0, "pass_seconds": 0.0, "prefill_seconds": 0.0, "tokens": 0, "lanes": 0,
                        "rounds": 0}
+        self.timing_by_lanes: dict[int, list] = {}  # lanes in a round -> [rounds, seconds, tokens]
 
     # -- the pool's face ---------------------------------------------------------------------
     @property
@@ -506,9 +527,10 @@ class BatchSession(Prompts):
         lane.out.put(_END)
 
     # -- one round ---------------------------------------------------------------------------
-    def _plan(self, lane: Lane) -> int:
+    def _plan(self, lane: Lane, look: bool = True) -> int:
         """The lane's drafts for this round, looked up on the host: what it verifies at least
-        (its own choice), and for a greedy auto lane its candidates in `lane.tokens`."""
+        (its own choice), and for a greedy auto lane its candidates in `lane.tokens` (none
+        unless `look`: the batch's policy rests on plain steps)."""
         wanted = lane.req.max_new_tokens - (lane.end - lane.n)
         most = wanted - 1
         ids = lane.ids[: lane.end]
@@ -523,6 +545,8 @@ class BatchSession(Prompts):
         max_depth = min(self.bundle.max_draft, most)
         room = min(lane.sizes.max_nodes, self.bundle.max_seq - lane.end)
         chain = EMPTY
+        if lane.params.greedy and not look:
+            return 0
         if max_depth > 0 and room > 0:
             chain = lane.drafter.propose(ids, min(room, max_depth), lane.params, lane.rng).tokens
         if lane.params.greedy:
@@ -537,10 +561,14 @@ class BatchSession(Prompts):
     def _round(self, lanes: list[Lane]) -> None:
         started = time.perf_counter()
         b = len(lanes)
+        ends = sum(lane.end for lane in lanes)
         assert [lane.slot for lane in lanes] == list(range(b)), [(lane.slot, lane.ready) for lane in self._lanes]
-        least = [self._plan(lane) for lane in lanes]
-        chains = [(lane.tokens.shape[0], lane.sizes.estimates(None, lane.tokens.shape[0]))
-                  for lane in lanes if lane.greedy_auto]
+        least = [0 if lane.greedy_auto else self._plan(lane) for lane in lanes]  # the lanes' own choices first
+        auto = [lane for lane in lanes if lane.greedy_auto]
+        look = bool(auto) and (max(least) > 0 or self.policy.looks(b))  # rows the others pad are free to fill
+        for lane in auto:
+            self._plan(lane, look)
+        chains = [(lane.tokens.shape[0], lane.sizes.estimates(None, lane.tokens.shape[0])) for lane in auto] if look else []
         t = self.policy.choose(b, 1 + max(least), chains)
         verified = []
         for lane, k in zip(lanes, least):
@@ -588,6 +616,10 @@ class BatchSession(Prompts):
         timing["pass_seconds"] += seconds
         timing["lanes"] += b
         timing["rounds"] += 1
+        at = self.timing_by_lanes.setdefault(b, [0, 0.0, 0])  # rounds, seconds, tokens at this batch size
+        at[0] += 1
+        at[1] += time.perf_counter() - started
+        at[2] += sum(lane.end for lane in lanes) - ends
 
     def _may_pad(self, b: int) -> bool:
         """Whether the slots after the first b may take an engine's padding lanes (TorchBatchEngine):
