@@ -165,6 +165,8 @@ def main() -> None:
                       f"lanes a round, host {100 * s['host_share']:.0f}%, prefill {100 * s['prefill_share']:.0f}% of the run"
                       if "round_tok_s" in s else ""), flush=True)
         if batched is not None:
+            report.setdefault("widths", {})[c] = {f"B={b} T={t}": n for (b, t), n in sorted(batched.widths.items())}
+            print(f"passes by width at {c} streams (plain and spec runs together): {report['widths'][c]}")
             batched.close()
         report["runs"][c] = {m: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for m, rs in results.items()}
         report["runs"][c]["all"] = results

@@ -136,10 +136,17 @@ class BatchPolicy:
             return 2 if self.probes.due() else 1
         return int(ts[best])
 
-    def update(self, lanes: int, t: int, seconds: float, drafted: bool, held: bool) -> None:
-        self.cost(lanes).add(t, seconds)
+    def update(self, lanes: int, t: int, seconds: float, drafted: bool, accepted: int) -> None:
+        """After a round of `lanes` lanes at width `t` that took `seconds`; `accepted`: the draft
+        tokens its lanes kept. A round that drafted counts as held (Probes) only if it paid: the
+        tokens it committed per lane beat a plain pass by the width's measured cost. In a batch,
+        some lane's draft holds in most rounds, and probing on every such round would keep a wide
+        pass running where it does not pay."""
+        cost = self.cost(lanes)
+        cost.add(t, seconds)
         if drafted:
-            self.probes.settle(held)
+            plain, wide = cost.seconds(np.array([1, t]))
+            self.probes.settle((lanes + accepted) / lanes >= self.PAYS * wide / plain)
 
 
 @dataclass(eq=False)  # a lane is itself: found in lists by identity
@@ -239,6 +246,7 @@ class BatchSession(Prompts):
         self.timing = {"round_seconds": 0.0, "pass_seconds": 0.0, "prefill_seconds": 0.0, "tokens": 0, "lanes": 0,
                        "rounds": 0}
         self.timing_by_lanes: dict[int, list] = {}  # lanes in a round -> [rounds, seconds, tokens]
+        self.widths: dict[tuple[int, int], int] = {}  # (lanes, T) -> rounds: how wide the batch's passes were
 
     # -- the pool's face ---------------------------------------------------------------------
     @property
@@ -598,24 +606,25 @@ class BatchSession(Prompts):
         logits = self.target.forward(rows, starts, pad=self._may_pad(b))
         seconds = time.perf_counter() - t0
         self.rounds += 1
-        drafted = held = False
+        drafted, accepted = False, 0
         finished = []
         for i, lane in enumerate(lanes):
             r = 1 + verified[i]
             mine = logits[i, offsets[i] : offsets[i] + r]
             new, record = self._judge(lane, mine, seconds)
             drafted |= record.proposed > 0
-            held |= record.accepted > 0
+            accepted += record.accepted
             if self._commit(lane, new, record):
                 finished.append(lane)
         for lane in finished:  # after every lane has committed: a slot moves with all of its K/V
             self._drop(lane, dropped=False)
-        self.policy.update(b, t, seconds, drafted, held)
+        self.policy.update(b, t, seconds, drafted, accepted)
         timing = self.timing
         timing["round_seconds"] += time.perf_counter() - started
         timing["pass_seconds"] += seconds
         timing["lanes"] += b
         timing["rounds"] += 1
+        self.widths[b, t] = self.widths.get((b, t), 0) + 1
         at = self.timing_by_lanes.setdefault(b, [0, 0.0, 0])  # rounds, seconds, tokens at this batch size
         at[0] += 1
         at[1] += time.perf_counter() - started

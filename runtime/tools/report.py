@@ -19,6 +19,9 @@ def describe(bundle: Bundle) -> str:
         f"format      {FORMAT} v{m.format_version}, {m.created_by}, {m.created_at or '?'}",
         f"sequence    max {m.max_seq} tokens (prompt + new), draft up to {m.max_draft} per round, "
         f"prefill chunk {m.prefill_chunk}",
+        f"batch       up to {m.max_batch} sequences a pass"
+        + (f" (serve --batch; {_mib(m.models['target'].kv_bytes(m.max_seq))} of KV each)" if m.max_batch > 1
+           else " (exported before batched passes)"),
         f"draft       {m.draft.kind}: {drafter_class(m.draft.kind).describe(m.draft)}",
     ]
     for role, e in m.models.items():
@@ -28,7 +31,8 @@ def describe(bundle: Bundle) -> str:
             f"hidden {e.hidden_size}, heads {e.num_heads} (kv {e.num_kv_heads}) x {e.head_dim}, "
             f"vocab {e.vocab_size}" + (f" (its head: {e.draft_vocab} draft tokens)" if e.draft_vocab else "")
             + f", {e.parameters / 1e6:.1f}M parameters, {e.dtype}",
-            f"            KV: {2 * e.num_layers} buffers [1, {e.num_kv_heads}, {m.max_seq}, {e.head_dim}] "
+            f"            KV: {2 * e.num_layers} buffers [{'B' if m.max_batch > 1 else 1}, {e.num_kv_heads}, {m.max_seq}, "
+            f"{e.head_dim}] "
             f"{e.kv_dtype}, written in place"
             + (f", sliding window {e.sliding_window}" if e.sliding_window else ""),
             "            attention: " + (
