@@ -48,15 +48,13 @@ def concurrently(batched, work, stagger=0.0):
     return out
 
 
-@pytest.mark.parametrize("name", ["llama-ngram", "llama-suffix", "qwen2-self", "mistral-model"])
+@pytest.mark.parametrize("name", ["llama-ngram", "llama-suffix", "qwen2-self", "mistral-model", "llama-same"])
 def test_every_request_in_a_batch_equals_it_alone(bundles, name):
     """Greedy and seeded sampled, pinned and auto draft lengths, plain, different prompt lengths
     and finishing times, requests joining as others leave: token for token what Session gives.
-    (A bundle with a model draft decodes plain in a batch: the same greedy tokens, and a sampled
-    request then replays the same as alone with speculation off.)"""
+    Lookup drafts (ngram, suffix) and draft graphs (a self-draft, a separate model with a
+    sliding window, the target drafting for itself: every draft accepted)."""
     work = jobs()
-    if name in ("qwen2-self", "mistral-model"):
-        work = [(p, dict(kw, speculate=False) if kw.get("temperature") else kw) for p, kw in work]
     want = solo(bundles(name), work)
     batched = BatchSession(bundles(name), batch=4, max_queue=32)
     try:

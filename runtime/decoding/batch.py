@@ -38,8 +38,10 @@ import numpy as np
 from specdeploy.core.errors import BundleError, InputError, SpecdeployError
 from specdeploy.core.manifest import Bundle, load_bundle
 
+from specdeploy.runtime.backends import BackendChoice
+from specdeploy.runtime.backends.ort import settle_thread_pool, thread_pool_choice
 from specdeploy.runtime.decoding.accept import accept_chain, accept_path
-from specdeploy.runtime.decoding.drafters import drafter_class, make_drafter
+from specdeploy.runtime.decoding.drafters import Proposal, drafter_class, make_drafter
 from specdeploy.runtime.decoding.engine import Checked
 from specdeploy.runtime.decoding.loop import EMPTY_TREE, check_finite
 from specdeploy.runtime.decoding.policy import DraftLength, PassCost, Probes, TreeSize
@@ -93,6 +95,7 @@ class BatchPolicy:
         self.probes = Probes()
         self._resting: dict[int, int] = {}  # batch size -> plain rounds left before the next evaluation
         self._probe = False  # the round being planned is a probe
+        self.step: float | None = None  # a model draft's pass, in seconds (decayed mean)
 
     def looks(self, lanes: int) -> bool:
         """Whether this round looks up the chains of the lanes the policy drafts for: not while
@@ -136,6 +139,38 @@ class BatchPolicy:
             return 2 if self.probes.due() else 1
         return int(ts[best])
 
+    def choose_k(self, lanes: int, least: int, holds: list[np.ndarray], step: float) -> int:
+        """A model draft's k for the lanes the policy drafts for (each runs k draft passes of
+        `step` seconds, one lane after another, before the verify pass): `holds` each lane's
+        chance that draft position 1..max holds given the ones before (DraftLength.held);
+        `least` the k the lanes that choose for themselves draft anyway (their passes are
+        spent either way). Plain steps (k = 0) unless a k beats them by PAYS."""
+        probe, self._probe = self._probe, False
+        cost = self.cost(lanes)
+        if not holds or not cost.measured:
+            return least
+        if probe:
+            return max(least, 1)
+        ks = np.arange(least, self.max_draft + 1)
+        tokens = np.zeros(ks.shape[0])
+        for held in holds:
+            gained = np.concatenate([[0.0], np.cumsum(np.cumprod(held))])
+            tokens += 1.0 + gained[ks]
+        rates = tokens / (len(holds) * ks * step + cost.seconds(ks + 1))
+        best = int(rates.argmax())
+        if least == 0 and best > 0 and rates[best] < self.PAYS * rates[0]:
+            best = 0
+        if least == 0 and best == 0:
+            self._resting[lanes] = self.SETTLED - 1
+            return 1 if self.probes.due() else 0
+        return int(ks[best])
+
+    def drafted(self, proposal: Proposal) -> None:
+        """A model draft's passes, timed: the step cost choose_k prices them by."""
+        if proposal.passes:
+            seconds = proposal.seconds / proposal.passes
+            self.step = seconds if self.step is None else 0.9 * self.step + 0.1 * seconds
+
     def update(self, lanes: int, t: int, seconds: float, drafted: bool, accepted: int) -> None:
         """After a round of `lanes` lanes at width `t` that took `seconds`; `accepted`: the draft
         tokens its lanes kept. A round that drafted counts as held (Probes) only if it paid: the
@@ -161,6 +196,7 @@ class Lane:
     drafter: object | None  # a fork of the bundle's model-free drafter; None: plain steps
     sizes: TreeSize | None  # per-rank acceptance (greedy auto), or a sampled lane's own policy
     fixed: int | None  # a pinned draft length
+    lengths: DraftLength | None = None  # a model draft's: its own policy (sampled), its acceptance (greedy)
     stats: Stats = field(default_factory=Stats)
     out: "queue.SimpleQueue" = field(default_factory=queue.SimpleQueue)
     admitted: threading.Event = field(default_factory=threading.Event)
@@ -173,6 +209,7 @@ class Lane:
     # this round's plan
     tokens: np.ndarray | None = None  # the drafts to verify (chain) or candidates (sampled tree lanes)
     tree: DraftTree | None = None
+    proposal: Proposal | None = None  # a model draft's, with its probabilities and costs
 
     @property
     def ready(self) -> bool:
@@ -208,6 +245,8 @@ class BatchSession(Prompts):
 
         self.bundle = bundle if isinstance(bundle, Bundle) else load_bundle(bundle, verify=verify, digest=digest)
         b = self.bundle
+        if backend == "ort" and (device is None or str(device) == "cpu"):  # target and draft take turns: one pool
+            settle_thread_pool(thread_pool_choice(None), threads, b.draft_kind in ("model", "self"))
         if not 1 <= batch <= b.max_batch:
             raise InputError(f"batch {batch}: this bundle's graphs carry 1..{b.max_batch} sequences a pass (its "
                              f"max_batch); re-export with --max-batch {batch} to batch more")
@@ -217,19 +256,24 @@ class BatchSession(Prompts):
         self.target = make_batch_engine(backend, b, batch, threads, device)
         kind = b.draft_kind
         self.drafter = None
+        self.model_draft = kind in ("model", "self")  # a draft graph: each lane drafts with a fork of its own
         if kind != "none":
             cls = drafter_class(kind)
             if getattr(cls, "engine", "graph") is None:  # a model-free lookup: per lane, on the host
                 self.drafter = make_drafter(b, "ort", threads)
+            elif self.model_draft:
+                self.drafter = make_drafter(b, BackendChoice.of(backend, device), threads)
             else:
-                log.warning(f"{b.path}: its {kind} draft runs one sequence per pass; batched rounds decode without "
-                            "it (plain steps, the same output)")
+                log.warning(f"{b.path}: its {kind} draft reads the target's hidden states, which batched passes do "
+                            "not return yet; batched rounds decode without it (plain steps, the same output)")
+        self._spare: list = []  # draft forks of lanes that left, for the next ones
         self.batch = batch
         self.max_queue = max_queue
         self.wait_seconds = wait_seconds
         self.prompt_cache = prompt_cache
         self.policy = BatchPolicy(b.max_draft)
         self._auto: TreeSize | None = None  # the last greedy auto lane's estimates: the next starts from them
+        self._auto_lengths: DraftLength | None = None  # the same for a model draft's lanes
         self._lock = threading.Condition()
         self._pending: list[Lane] = []  # admitted to wait, not yet in a slot
         self._lanes: list[Lane] = []  # in slots 0..len-1: the ready lanes first, then those prefilling
@@ -240,7 +284,6 @@ class BatchSession(Prompts):
         self._thread: threading.Thread | None = None
         self._gate = threading.Lock()  # held by the scheduler through each step; `hold` holds it between them
         self.rounds = 0
-        self.error: BaseException | None = None
         # where the scheduler's time went: batched rounds (their passes alone, and with the host
         # work around them), prefill passes; and the tokens the rounds committed
         self.timing = {"round_seconds": 0.0, "pass_seconds": 0.0, "prefill_seconds": 0.0, "tokens": 0, "lanes": 0,
@@ -315,8 +358,6 @@ class BatchSession(Prompts):
         finally:
             with self._lock:
                 self.waiting -= 1
-        if self.error is not None and lane.slot < 0:
-            raise self.error
         return self._generation(lane)
 
     def shutdown(self) -> None:
@@ -347,7 +388,17 @@ class BatchSession(Prompts):
         params = SamplingParams(req.temperature, req.top_k, req.top_p, req.seed)
         max_draft = self.bundle.max_draft
         fixed = None if req.draft_len == "auto" else req.draft_len
-        drafter = self.drafter.fork() if self.drafter is not None and req.speculate and fixed != 0 else None
+        speculate = self.drafter is not None and req.speculate and fixed != 0
+        if speculate and self.model_draft:  # a draft graph with K/V of its own, as Session's
+            with self._lock:
+                drafter = self._spare.pop() if self._spare else None
+            drafter = drafter or self.drafter.fork()
+            lengths = (DraftLength(max_draft, fixed=fixed) if fixed is not None else
+                       DraftLength(max_draft, cost_ratio=self.drafter.cost_ratio, measure=params.greedy))
+            if params.greedy and fixed is None:
+                lengths.carry_from(self._auto_lengths)
+            return Lane(req, ids, n, params, np.random.default_rng(params.seed), drafter, None, fixed, lengths, end=n)
+        drafter = self.drafter.fork() if speculate else None
         if drafter is not None and drafter.keeps_history:
             drafter.private = req.private
         sizes = None
@@ -410,7 +461,8 @@ class BatchSession(Prompts):
                 while not self._stop and not self._lanes and not self._pending:
                     self._lock.wait()
                 if self._stop and not self._lanes:
-                    for lane in self._pending:
+                    for lane in self._pending:  # never given a slot: its reader hears why
+                        lane.out.put(Cancelled("the scheduler was closed before the request had a slot"))
                         lane.admitted.set()
                     self._pending.clear()
                     return
@@ -530,8 +582,15 @@ class BatchSession(Prompts):
         self._lanes.remove(lane)
         if lane.drafter is not None and lane.drafter.keeps_history:
             lane.drafter.remember(lane.ids[: lane.end])
-        if lane.greedy_auto:
-            self._auto = lane.sizes
+        if lane.lengths is not None:  # a draft fork: the next lane's (a private request's K/V forgotten)
+            if lane.req.private:
+                lane.drafter.reset()
+            self._spare.append(lane.drafter)
+        if lane.greedy_auto:  # what it measured: the next greedy lane starts from it
+            if lane.lengths is not None:
+                self._auto_lengths = lane.lengths
+            else:
+                self._auto = lane.sizes
         lane.out.put(_END)
 
     # -- one round ---------------------------------------------------------------------------
@@ -566,20 +625,45 @@ class BatchSession(Prompts):
         lane.tokens = lane.tree.tokens
         return lane.tokens.shape[0]
 
+    def _plan_model(self, lane: Lane, k: int | None = None) -> int:
+        """A model draft's round for the lane: `k` drafts (the batch's choice), or its own choice
+        (pinned, or a sampled lane's own policy, called every round as Session's round calls it),
+        drafted now by its own fork of the draft graph. -> the drafts it verifies."""
+        most = lane.req.max_new_tokens - (lane.end - lane.n) - 1
+        lane.tree, lane.tokens, lane.proposal = None, EMPTY, None
+        if k is None:
+            k = lane.fixed if lane.fixed is not None else lane.lengths.choose()
+        k = min(k, most)
+        if k <= 0:
+            return 0
+        lane.proposal = lane.drafter.propose(lane.ids[: lane.end], k, lane.params, lane.rng, lane.lengths.min_confidence)
+        self.policy.drafted(lane.proposal)
+        lane.tokens = lane.proposal.tokens
+        return lane.tokens.shape[0]
+
     def _round(self, lanes: list[Lane]) -> None:
         started = time.perf_counter()
         b = len(lanes)
         ends = sum(lane.end for lane in lanes)
         assert [lane.slot for lane in lanes] == list(range(b)), [(lane.slot, lane.ready) for lane in self._lanes]
-        least = [0 if lane.greedy_auto else self._plan(lane) for lane in lanes]  # the lanes' own choices first
+        plan = lambda lane, *a: (self._plan_model if lane.lengths is not None else self._plan)(lane, *a)  # noqa: E731
+        least = [0 if lane.greedy_auto else plan(lane) for lane in lanes]  # the lanes' own choices first
         auto = [lane for lane in lanes if lane.greedy_auto]
         look = bool(auto) and (max(least) > 0 or self.policy.looks(b))  # rows the others pad are free to fill
-        for lane in auto:
-            self._plan(lane, look)
-        chains = [(lane.tokens.shape[0], lane.sizes.estimates(None, lane.tokens.shape[0])) for lane in auto] if look else []
-        t = self.policy.choose(b, 1 + max(least), chains)
+        if self.model_draft:  # drafting costs passes: the policy chooses k before anyone drafts
+            step = self.policy.step if self.policy.step is not None else \
+                self.drafter.cost_ratio * float(self.policy.cost(b).seconds(1))
+            k = self.policy.choose_k(b, max(least), [lane.lengths.held() for lane in auto], step) if look else 0
+            for lane in auto:
+                self._plan_model(lane, k)
+            t = 1 + max(lane.tokens.shape[0] for lane in lanes)
+        else:  # a lookup is free: look up first, then choose how much of it to verify
+            for lane in auto:
+                self._plan(lane, look)
+            chains = [(lane.tokens.shape[0], lane.sizes.estimates(None, lane.tokens.shape[0])) for lane in auto] if look else []
+            t = self.policy.choose(b, 1 + max(least), chains)
         verified = []
-        for lane, k in zip(lanes, least):
+        for lane in lanes:
             if lane.greedy_auto:
                 lane.tokens = lane.tokens[: t - 1]
             verified.append(lane.tokens.shape[0])
@@ -651,10 +735,17 @@ class BatchSession(Prompts):
                            scores=lane.tree.probs)
             lane.sizes.update(record)
             return np.append(lane.tree.tokens[path], token), record
-        drafts = lane.tokens
-        n_accepted, token = accept_chain(Checked(drafts, None, logits, tokens), lane.params, lane.rng)
-        record = Round(drafts.shape[0], n_accepted, seconds, chosen=drafts.shape[0] if lane.drafter is not None else None)
-        if lane.greedy_auto:
+        drafts, p = lane.tokens, lane.proposal
+        n_accepted, token = accept_chain(Checked(drafts, p.probs if p is not None else None, logits, tokens),
+                                         lane.params, lane.rng)
+        chosen = drafts.shape[0] if lane.drafter is not None else None
+        if p is not None:  # a model draft's round, recorded as Session records it
+            record = Round(drafts.shape[0], n_accepted, seconds, p.seconds, p.passes, p.caught_up, p.first_seconds, chosen)
+        else:
+            record = Round(drafts.shape[0], n_accepted, seconds, chosen=chosen)
+        if lane.lengths is not None:  # its own policy learns (a greedy lane's acceptance only: costs are the batch's)
+            lane.lengths.update(record if not lane.greedy_auto else Round(drafts.shape[0], n_accepted, 0.0))
+        elif lane.greedy_auto:
             lane.sizes.update(Round(drafts.shape[0], n_accepted, 0.0, path=tuple(range(n_accepted))))
         return np.append(drafts[:n_accepted], token), record
 
