@@ -162,7 +162,7 @@ def main() -> None:
                       f"{s['total_tok_s']:6.1f} tok/s, TTFT p50 {s['ttft_p50_ms']:6.0f} ms, ITL p50 {s['itl_p50_ms']:5.1f} "
                       f"p99 {s['itl_p99_ms']:6.1f} ms" + (f"; rounds of all {c} lanes {s['full_tok_s']:6.1f} tok/s "
                       f"({100 * s['full_share']:.0f}% of rounds); rounds alone {s['round_tok_s']:6.1f} tok/s, {s['mean_lanes']:.2f} "
-                      f"lanes a round, host {100 * s['host_share']:.0f}%, prefill {100 * s['prefill_share']:.0f}% of the run"
+                      f"lanes a round, outside the target pass {100 * s['host_share']:.0f}%, prefill {100 * s['prefill_share']:.0f}% of the run"
                       if "round_tok_s" in s else ""), flush=True)
         if batched is not None:
             report.setdefault("widths", {})[c] = {f"B={b} T={t}": n for (b, t), n in sorted(batched.widths.items())}

@@ -95,7 +95,9 @@ class BatchPolicy:
         self.probes = Probes()
         self._resting: dict[int, int] = {}  # batch size -> plain rounds left before the next evaluation
         self._probe = False  # the round being planned is a probe
-        self.step: float | None = None  # a model draft's pass, in seconds (decayed mean)
+        self.probing = False  # choose_k's k is a probe: one lane drafts it
+        self.step: float | None = None  # a model draft's step (T = 1), in seconds (decayed mean)
+        self.first: float | None = None  # its first pass of a round (catching up), in seconds
 
     def looks(self, lanes: int) -> bool:
         """Whether this round looks up the chains of the lanes the policy drafts for: not while
@@ -139,37 +141,47 @@ class BatchPolicy:
             return 2 if self.probes.due() else 1
         return int(ts[best])
 
-    def choose_k(self, lanes: int, least: int, holds: list[np.ndarray], step: float) -> int:
+    def choose_k(self, lanes: int, least: int, holds: list[np.ndarray], step: float, first: float) -> int:
         """A model draft's k for the lanes the policy drafts for (each runs k draft passes of
-        `step` seconds, one lane after another, before the verify pass): `holds` each lane's
+        draft passes, one lane after another, before the verify pass: the first `first` seconds,
+        each later one `step`): `holds` each lane's
         chance that draft position 1..max holds given the ones before (DraftLength.held);
         `least` the k the lanes that choose for themselves draft anyway (their passes are
         spent either way). Plain steps (k = 0) unless a k beats them by PAYS."""
         probe, self._probe = self._probe, False
+        self.probing = False
         cost = self.cost(lanes)
         if not holds or not cost.measured:
             return least
-        if probe:
+        if probe:  # one lane drafts one token (catching up costs a draft pass per lane: one lane's is enough)
+            self.probing = least == 0
             return max(least, 1)
         ks = np.arange(least, self.max_draft + 1)
         tokens = np.zeros(ks.shape[0])
         for held in holds:
             gained = np.concatenate([[0.0], np.cumsum(np.cumprod(held))])
             tokens += 1.0 + gained[ks]
-        rates = tokens / (len(holds) * ks * step + cost.seconds(ks + 1))
+        drafting = np.where(ks > 0, first + (ks - 1) * step, 0.0)  # one lane's draft passes
+        rates = tokens / (len(holds) * drafting + cost.seconds(ks + 1))
         best = int(rates.argmax())
         if least == 0 and best > 0 and rates[best] < self.PAYS * rates[0]:
             best = 0
         if least == 0 and best == 0:
             self._resting[lanes] = self.SETTLED - 1
-            return 1 if self.probes.due() else 0
+            self.probing = self.probes.due()
+            return 1 if self.probing else 0
         return int(ks[best])
 
     def drafted(self, proposal: Proposal) -> None:
-        """A model draft's passes, timed: the step cost choose_k prices them by."""
-        if proposal.passes:
-            seconds = proposal.seconds / proposal.passes
-            self.step = seconds if self.step is None else 0.9 * self.step + 0.1 * seconds
+        """A model draft's passes, timed: what choose_k prices them by. Its first pass feeds the
+        tokens the draft has not seen (after a round, the ones it committed) and is priced on its
+        own, as DraftLength prices it; a first pass over a whole prompt says nothing of a round's."""
+        p = proposal
+        if p.passes > 1:
+            step = (p.seconds - p.first_seconds) / (p.passes - 1)
+            self.step = step if self.step is None else 0.9 * self.step + 0.1 * step
+        if p.first_seconds and p.caught_up <= self.max_draft + 1:
+            self.first = p.first_seconds if self.first is None else 0.9 * self.first + 0.1 * p.first_seconds
 
     def update(self, lanes: int, t: int, seconds: float, drafted: bool, accepted: int) -> None:
         """After a round of `lanes` lanes at width `t` that took `seconds`; `accepted`: the draft
@@ -651,11 +663,14 @@ class BatchSession(Prompts):
         auto = [lane for lane in lanes if lane.greedy_auto]
         look = bool(auto) and (max(least) > 0 or self.policy.looks(b))  # rows the others pad are free to fill
         if self.model_draft:  # drafting costs passes: the policy chooses k before anyone drafts
-            step = self.policy.step if self.policy.step is not None else \
-                self.drafter.cost_ratio * float(self.policy.cost(b).seconds(1))
-            k = self.policy.choose_k(b, max(least), [lane.lengths.held() for lane in auto], step) if look else 0
-            for lane in auto:
-                self._plan_model(lane, k)
+            prior = self.drafter.cost_ratio * float(self.policy.cost(1 if 1 in self.policy.costs else b).seconds(1))
+            step = self.policy.step if self.policy.step is not None else prior
+            first = self.policy.first if self.policy.first is not None else 1.2 * step
+            holds = [lane.lengths.held() for lane in auto]
+            k = self.policy.choose_k(b, max(least), holds, step, first) if look else 0
+            prober = int(np.argmax([h[0] for h in holds])) if self.policy.probing and look else -1
+            for i, lane in enumerate(auto):  # a probe: the lane likeliest to hold drafts, the others rest
+                self._plan_model(lane, k if prober < 0 or i == prober else 0)
             t = 1 + max(lane.tokens.shape[0] for lane in lanes)
         else:  # a lookup is free: look up first, then choose how much of it to verify
             for lane in auto:
