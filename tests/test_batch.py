@@ -372,3 +372,22 @@ def test_a_prompt_wholly_in_a_slot_joins_the_decoding_lanes_at_once(bundles):
         assert [collect(g) for g in gens] == want[1:]
     finally:
         batched.close()
+
+
+def test_finish_reasons_in_a_batch(bundles):
+    """A stop string ends a request as "stop" (its slot freed), max_new_tokens as "length", a
+    cancel as "cancelled": as Session says them."""
+    bundle = bundles("llama-ngram")
+    session = Session(bundle, prompt_cache=False)
+    alone = session.generate(tiny.PROMPTS[0], max_new_tokens=30)
+    stop = alone.text[8:12]
+    assert stop and alone.stats.finish_reason == "length"
+    batched = BatchSession(bundle, batch=2)
+    try:
+        for _ in range(3):  # the scheduler may drop the lane before or after the reader finishes
+            got = batched.generate(tiny.PROMPTS[0], max_new_tokens=30, stop=[stop])
+            want = session.generate(tiny.PROMPTS[0], max_new_tokens=30, stop=[stop])
+            assert (got.text, got.stats.finish_reason) == (want.text, "stop")
+        assert batched.generate(tiny.PROMPTS[0], max_new_tokens=30).stats.finish_reason == "length"
+    finally:
+        batched.close()

@@ -27,7 +27,7 @@ from specdeploy.core.errors import InputError
 from specdeploy.core.graph_io import check_pass, window_length
 from specdeploy.core.manifest import ModelSpec
 
-from .torch_engine import TorchEngineStats
+from .torch_engine import TorchEngineStats, capture_pass
 
 
 def batch_bucket(b: int, max_batch: int) -> int:
@@ -169,18 +169,10 @@ class TorchBatchEngine:
         return logits
 
     def _capture(self, key):
-        """As TorchEngine._capture: warm up on a side stream over the pass's own inputs, then capture."""
+        """capture_pass over this (first slot, lanes, T, window); a failure leaves the engine eager."""
         t0 = time.perf_counter()
         try:
-            side = torch.cuda.Stream(self.device)
-            side.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(side):
-                for _ in range(self.warmup):
-                    self._pass(*key)
-            torch.cuda.current_stream(self.device).wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool):
-                logits = self._pass(*key)
+            graph, logits = capture_pass(lambda: self._pass(*key), self.device, self._pool, self.warmup)
         except RuntimeError as e:  # eager from then on, and say why
             self.capture = False
             self.stats.capture = False

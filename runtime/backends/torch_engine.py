@@ -91,6 +91,24 @@ def sample_torch(probs: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
     return torch.searchsorted(cdf, u, right=True).clamp_(max=probs.shape[0] - 1)
 
 
+def capture_pass(run, device: torch.device, pool, warmup: int) -> tuple["torch.cuda.CUDAGraph", torch.Tensor]:
+    """Capture `run` (a pass: no host synchronisation) as a CUDA graph -> (graph, its output).
+    It warms up `warmup` times on a side stream first, on the pass's own inputs, so the K/V
+    the warm-up writes are the ones a replay writes again. The graphs of one engine share one
+    memory `pool`: passes never overlap and each output is copied out before the next replay.
+    Raises RuntimeError where the pass cannot be captured."""
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        for _ in range(warmup):
+            run()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        out = run()
+    return graph, out
+
+
 @dataclass
 class TorchChain:
     """A draft chain's tokens [k] (and, sampled, its draft probs [k, V]) in device memory."""
@@ -432,21 +450,10 @@ class TorchEngine:
         return logits
 
     def _capture(self, key: tuple[int, int]):
-        """Warm up on a side stream, then capture. The warm-up runs on the pass's own inputs,
-        so the K/V it writes are the ones the replay writes again. Every graph of this engine
-        shares one memory pool: passes never overlap and each output is copied out before
-        the next replay."""
+        """capture_pass over this shape; a capture that fails leaves the engine eager for good."""
         t0 = time.perf_counter()
         try:
-            side = torch.cuda.Stream(self.device)
-            side.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(side):
-                for _ in range(self.warmup):
-                    self._pass(*key)
-            torch.cuda.current_stream(self.device).wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool):
-                logits = self._pass(*key)
+            graph, logits = capture_pass(lambda: self._pass(*key), self.device, self._pool, self.warmup)
         except RuntimeError as e:  # fall back to eager for good, and say why
             self.capture = False
             self.stats.capture = False

@@ -440,8 +440,8 @@ class BatchSession(Prompts):
                 with self._lock:
                     self._lock.notify_all()
 
-        def finish(cancelled: bool) -> str:
-            return finish_reason(cancelled=cancelled or lane.dropped, **met)
+        def finish(cancelled: bool) -> str:  # dropped by the scheduler: cancelled, unless a stop string ended it
+            return finish_reason(cancelled=cancelled or (lane.dropped and not met["stop"]), **met)
 
         def on_end() -> None:
             held = ref()
