@@ -24,7 +24,7 @@ from specdeploy.core.errors import BundleError, InputError
 from specdeploy.core.graph_io import LOGITS_ROWS, check_pass, fill_mask
 from specdeploy.core.manifest import ModelSpec
 
-from .ort import Placement, _allocate, _load, _reason, no_bfloat16
+from .ort import Placement, _load, _reason, no_bfloat16
 from specdeploy.core.choices import NUMPY_DTYPES
 
 
@@ -127,7 +127,3 @@ class OrtBatchEngine:
             buffer[a, :, :length_b] = buffer[b, :, :length_b]
             buffer[b, :, :length_a] = keep
 
-
-def slot_memory(spec: ModelSpec, max_seq: int) -> int:
-    """Bytes of K/V one sequence adds to a batch (every layer, key and value, max_seq slots)."""
-    return spec.kv_bytes(max_seq)

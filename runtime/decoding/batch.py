@@ -23,7 +23,6 @@ B lanes from passes measured at that B, and turns speculation down, or off, as B
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 import queue
 import threading
@@ -43,7 +42,7 @@ from specdeploy.runtime.backends.ort import settle_thread_pool, thread_pool_choi
 from specdeploy.runtime.decoding.accept import accept_chain, accept_path
 from specdeploy.runtime.decoding.drafters import Proposal, drafter_class, make_drafter
 from specdeploy.runtime.decoding.engine import Checked
-from specdeploy.runtime.decoding.loop import EMPTY_TREE, check_finite
+from specdeploy.runtime.decoding.loop import check_finite
 from specdeploy.runtime.decoding.policy import DraftLength, PassCost, Probes, TreeSize
 from specdeploy.runtime.decoding.request import Request
 from specdeploy.runtime.decoding.sampling import SamplingParams
@@ -132,7 +131,7 @@ class BatchPolicy:
         for n, holds in chains:
             gained = np.concatenate([[0.0], np.cumsum(holds)])
             tokens += 1.0 + gained[np.minimum(ts - 1, n)]
-        rates = tokens / cost.seconds(ts)
+        rates = tokens / np.maximum(cost.seconds(ts), 1e-9)  # (a fit from wide passes alone may put v1 at 0)
         best = int(rates.argmax())
         if least == 1 and best > 0 and rates[best] < self.PAYS * rates[0]:
             best = 0
@@ -162,7 +161,7 @@ class BatchPolicy:
             gained = np.concatenate([[0.0], np.cumsum(np.cumprod(held))])
             tokens += 1.0 + gained[ks]
         drafting = np.where(ks > 0, first + (ks - 1) * step, 0.0)  # one lane's draft passes
-        rates = tokens / (len(holds) * drafting + cost.seconds(ks + 1))
+        rates = tokens / np.maximum(len(holds) * drafting + cost.seconds(ks + 1), 1e-9)
         best = int(rates.argmax())
         if least == 0 and best > 0 and rates[best] < self.PAYS * rates[0]:
             best = 0
@@ -193,7 +192,7 @@ class BatchPolicy:
         cost.add(t, seconds)
         if drafted:
             plain, wide = cost.seconds(np.array([1, t]))
-            self.probes.settle((lanes + accepted) / lanes >= self.PAYS * wide / plain)
+            self.probes.settle((lanes + accepted) * plain >= self.PAYS * wide * lanes)
 
 
 @dataclass(eq=False)  # a lane is itself: found in lists by identity
