@@ -21,11 +21,20 @@ from tiny import PROMPTS
 LONG = {"max_tokens": 100, "temperature": 0, "draft_len": 0}  # 100 slowed passes: >= 5 s
 
 
-def _pool(kind: str, bundle, max_queue: int):
+def _pool(kind: str, bundle, max_queue: int, **options):
     """Today's session pool, or continuous batching (serve --batch) over a batch of one."""
     if kind == "batch":
-        return BatchSession(bundle, batch=1, max_queue=max_queue)
-    return SessionPool(bundle, workers=1, max_queue=max_queue)
+        return BatchSession(bundle, batch=1, max_queue=max_queue, **options)
+    return SessionPool(bundle, workers=1, max_queue=max_queue, **options)
+
+
+def _occupy(pool):
+    """Make the only session (the batch's only slot) busy; -> what frees it."""
+    if isinstance(pool, BatchSession):  # a long request, slowed down: it runs until closed
+        slow_down(pool, 0.05)
+        return pool.stream(PROMPTS[0], max_new_tokens=100, speculate=False).close
+    held = pool.acquire()
+    return lambda: pool.release(held)
 
 
 @pytest.fixture(scope="module", params=["pool", "batch"])
@@ -78,12 +87,7 @@ def test_a_client_that_leaves_a_non_streaming_request_frees_its_session(slow_ser
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_client_that_gives_up_while_queued_gives_back_its_queue_slot(slow_server, stream):
     pool = slow_server.pool
-    if isinstance(pool, BatchSession):  # the batch's one slot is busy with a long request
-        gen = pool.stream(PROMPTS[0], max_new_tokens=100, speculate=False)
-        release = gen.close
-    else:  # the only session is busy
-        held = pool.acquire()
-        release = lambda: pool.release(held)  # noqa: E731
+    release = _occupy(pool)
     try:
         body = {"prompt": PROMPTS[4], "max_tokens": 4, "stream": stream}
         with pytest.raises(httpx.ReadTimeout):
@@ -252,11 +256,12 @@ def test_chat_rendering_and_tokenizing_run_off_the_event_loop(server):
         del tok.apply_chat_template
 
 
-def test_a_full_queue_refuses_before_any_tokenizing(bundles):
-    pool = SessionPool(bundles("llama-model"), workers=1, max_queue=0)
+@pytest.mark.parametrize("kind", ["pool", "batch"])
+def test_a_full_queue_refuses_before_any_tokenizing(bundles, kind):
+    pool = _pool(kind, bundles("llama-model"), 0)
     with Server(pool) as s:
+        release = _occupy(pool)
         seen = _count_encodes(pool)
-        held = pool.acquire()
         try:
             r = httpx.post(s.url + "/v1/chat/completions",
                            json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
@@ -264,7 +269,7 @@ def test_a_full_queue_refuses_before_any_tokenizing(bundles):
             r = httpx.post(s.url + "/v1/completions", json={"prompt": "The quick"})
             assert r.status_code == 503 and r.headers.get("retry-after")
         finally:
-            pool.release(held)
+            release()
         assert seen == []
 
 
@@ -336,16 +341,18 @@ def test_an_unexpected_error_is_a_500_json_that_metrics_count(bundles):
         assert s.health()["in_flight"] == 0  # the session came back after each failure
 
 
-def test_metrics_count_cancelled_and_timed_out_requests(bundles):
-    pool = SessionPool(bundles("llama-model"), workers=1, max_queue=2, wait_seconds=0.3)
+@pytest.mark.parametrize("kind", ["pool", "batch"])
+def test_metrics_count_cancelled_and_timed_out_requests(bundles, kind):
+    pool = _pool(kind, bundles("llama-model"), 2, wait_seconds=0.3)
     with Server(pool) as s:
-        held = pool.acquire()
+        release = _occupy(pool)
         try:
             r = httpx.post(s.url + "/v1/completions", json={"prompt": "The", "max_tokens": 2}, timeout=10)
             assert r.status_code == 503 and r.json()["error"]["type"] == "timeout"
         finally:
-            pool.release(held)
-        slow_down(pool, 0.05)
+            release()
+        if kind == "pool":
+            slow_down(pool, 0.05)
         with httpx.stream("POST", s.url + "/v1/completions", json={"prompt": "The", "stream": True, **LONG}) as r:
             next(sse_events(r))
         s.wait_idle(within=1.5)
