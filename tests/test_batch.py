@@ -391,3 +391,28 @@ def test_finish_reasons_in_a_batch(bundles):
         assert batched.generate(tiny.PROMPTS[0], max_new_tokens=30).stats.finish_reason == "length"
     finally:
         batched.close()
+
+
+def test_a_burst_gets_every_place_the_batch_and_its_queue_offer(bundles):
+    """`batch` N running plus `max_queue` Q waiting: a burst of N + Q is admitted whole (a request
+    not yet in a slot counts once), the next is refused, and the refusal says what is true then."""
+    batched = BatchSession(bundles("llama-ngram"), batch=2, max_queue=3)
+    try:
+        gens: list = []
+        with batched.hold():  # the scheduler admits nobody: the whole burst waits at once
+            threads = [threading.Thread(target=lambda i=i: gens.append(
+                batched.stream(tiny.PROMPTS[i], max_new_tokens=4, speculate=False))) for i in range(5)]
+            for t in threads:
+                t.start()
+            deadline = time.monotonic() + 10
+            while batched.waiting < 5 and time.monotonic() < deadline:
+                time.sleep(0.001)
+            assert batched.waiting == 5
+            with pytest.raises(Overloaded, match=r"0 sequence\(s\) in the batch \(of 2\) and 5 request\(s\) waiting"):
+                batched.stream(tiny.PROMPTS[6], max_new_tokens=4)
+        for t in threads:
+            t.join(timeout=30)
+        assert len(gens) == 5 and all(len(collect(g)) > 0 for g in gens)
+        assert batched.waiting == 0
+    finally:
+        batched.close()

@@ -289,7 +289,6 @@ class BatchSession(Prompts):
         self._pending: list[Lane] = []  # admitted to wait, not yet in a slot
         self._lanes: list[Lane] = []  # in slots 0..len-1: the ready lanes first, then those prefilling
         self._held: list[tuple[np.ndarray, int] | None] = [None] * batch  # a free slot's tokens and their K/V length
-        self.waiting = 0
         self.closing = threading.Event()
         self._stop = False
         self._thread: threading.Thread | None = None
@@ -321,10 +320,18 @@ class BatchSession(Prompts):
         """Bytes of KV buffer each slot holds (what one more sequence in the batch costs)."""
         return self.target.kv_bytes_per_sequence
 
+    @property
+    def waiting(self) -> int:
+        """Requests queued for a slot (not yet running)."""
+        return len(self._pending)
+
     def _refuse_if_full(self) -> None:
-        if len(self._lanes) + len(self._pending) >= self.batch and self.waiting >= self.max_queue:
-            raise Overloaded(f"server busy: {self.batch} sequence(s) in the batch and {self.waiting} request(s) "
-                             f"waiting (queue limit {self.max_queue}); retry later")
+        # Capacity is `batch` running plus `max_queue` waiting; a request not yet admitted counts
+        # once, in _pending (the free slots it will take are part of the batch's share).
+        running, waiting = len(self._lanes), len(self._pending)
+        if running + waiting >= self.batch + self.max_queue:
+            raise Overloaded(f"server busy: {running} sequence(s) in the batch (of {self.batch}) and {waiting} "
+                             f"request(s) waiting (queue limit {self.max_queue}); retry later")
 
     def check_capacity(self) -> None:
         with self._lock:
@@ -347,7 +354,6 @@ class BatchSession(Prompts):
                 raise Cancelled("the server is shutting down")
             self._refuse_if_full()
             self._pending.append(lane)
-            self.waiting += 1
             self._ensure_thread()
             self._lock.notify_all()
         deadline = None if self.wait_seconds is None else time.monotonic() + self.wait_seconds
@@ -366,9 +372,11 @@ class BatchSession(Prompts):
                             self._pending.remove(lane)
                             raise why
                     break  # admitted as it gave up: it runs (the client's cancel ends it)
-        finally:
-            with self._lock:
-                self.waiting -= 1
+        except BaseException:
+            with self._lock:  # never left queued by an exception that is not one of the above
+                if lane in self._pending:
+                    self._pending.remove(lane)
+            raise
         return self._generation(lane)
 
     def shutdown(self) -> None:
