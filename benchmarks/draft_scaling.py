@@ -132,7 +132,7 @@ def main() -> None:
     t0 = time.perf_counter()
     records = generate_data(source, settings, work, progress=True, log=print)
     generate_seconds = time.perf_counter() - t0
-    fresh = sum(r["top_ids"].shape[0] for path in set(work.glob("answers-*.pt")) - before for r in torch.load(path))
+    fresh = sum(r["top_ids"].shape[0] for path in set(work.glob("answers-*.pt")) - before for r in torch.load(path, map_location="cpu", weights_only=True))
     held_path = work / "held_out.pt"
     if not held_path.is_file():
         prompts = read_prompts(Path(args.prompts))
@@ -140,7 +140,7 @@ def main() -> None:
         for at in range(0, len(prompts), 10):
             held += answer(source, prompts[at : at + 10], DistillSettings(temperature=0.0, max_new_tokens=96), seed=0)
         torch.save(held, held_path)
-    held = torch.load(held_path)
+    held = torch.load(held_path, map_location="cpu", weights_only=True)
     t0 = time.perf_counter()
     train_data, held_data = features(source.model, records), features(source.model, held)
     feature_seconds = time.perf_counter() - t0

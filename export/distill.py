@@ -20,10 +20,13 @@ import copy
 import json
 import math
 import os
+import pickle
 import random
 import shutil
 import sys
 import time
+import warnings
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
@@ -86,6 +89,149 @@ def _save(obj, path: Path) -> None:
     tmp = path.with_suffix(".tmp")
     torch.save(obj, tmp)
     os.replace(tmp, path)
+
+
+# -- the work folder: anyone who can write beside --out can write there -------------------------
+
+def _not_ours(path: Path, work: Path, what: str, why: str) -> ExportError:
+    return ExportError(f"{path}: not {what} this version wrote ({why}); delete {work} to start over")
+
+
+def _load_work_file(path: Path, work: Path, what: str):
+    """A torch file of the work folder: tensors and plain values only, whatever it holds. The
+    safe mode is stated, not left to torch's default, which TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD
+    turns unsafe (torch/serialization.py lets the variable override only an unset weights_only)."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # torch's remarks on a forged file's pickle: lines before our one
+            return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError:
+        why = "it holds more than tensors and plain values, or is no torch file"
+    except Exception as e:  # hostile bytes in torch's reader: whatever it raises, the file is at fault
+        why = f"truncated or corrupt: {type(e).__name__}"
+    raise _not_ours(path, work, what, why)
+
+
+def _read_settings(path: Path, work: Path) -> dict:
+    """The settings.json of an interrupted run, as a dict."""
+    try:
+        saved = json.loads(path.read_text())
+    except OSError as e:
+        raise ExportError(f"{path}: cannot be read ({e.strerror}); delete {work} to start over") from None
+    except (ValueError, RecursionError) as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        raise _not_ours(path, work, "a settings file", f"not JSON: {type(e).__name__}") from None
+    if not isinstance(saved, dict):
+        raise _not_ours(path, work, "a settings file", f"a JSON {type(saved).__name__}, not an object")
+    return saved
+
+
+def _unlike(got, want, at: str) -> str | None:
+    """Where `got` departs from the form of `want` (keys, lengths, types, tensors' dtypes and
+    shapes), or None: a checkpoint restores only into objects of the form it was saved from, and
+    torch's load_state_dict checks little of it (a scheduler's none), leaving the rest to fail
+    steps later with a traceback."""
+    if isinstance(want, torch.Tensor):
+        if not isinstance(got, torch.Tensor) or got.dtype != want.dtype or got.shape != want.shape:
+            return f"{at}: not a {want.dtype} tensor of shape {list(want.shape)}"
+        return None
+    if type(got) is not type(want):
+        return f"{at}: {type(got).__name__}, not {type(want).__name__}"
+    if isinstance(want, dict):
+        for key in want:
+            if key not in got:
+                return f"{at}: no {key!r}"
+        for key in got:
+            if key not in want:
+                return f"{at}: an unexpected {key!r}"
+        return next(filter(None, (_unlike(got[k], want[k], f"{at}[{k!r}]") for k in want)), None)
+    if isinstance(want, (list, tuple)):
+        if len(got) != len(want):
+            return f"{at}: {len(got)} items, not {len(want)}"
+        return next(filter(None, (_unlike(g, w, f"{at}[{i}]") for i, (g, w) in enumerate(zip(got, want)))), None)
+    return None
+
+
+def _optimizer_unlike(got, opt: torch.optim.Optimizer) -> str | None:
+    """_unlike for the optimizer's state: its groups have the live ones' form and parameters,
+    and each parameter's state the form AdamW steps with."""
+    live = opt.state_dict()
+    if not isinstance(got, dict) or set(got) != {"state", "param_groups"}:
+        return "opt: not an optimizer's state"
+    problem = _unlike(got["param_groups"], live["param_groups"], "opt param_groups")
+    if problem:
+        return problem
+    if [g["params"] for g in got["param_groups"]] != [g["params"] for g in live["param_groups"]]:
+        return "opt param_groups: other parameters"
+    params = [p for group in opt.param_groups for p in group["params"]]
+    if not isinstance(got["state"], dict):
+        return "opt state: not a dict"
+    for i, entry in got["state"].items():
+        if type(i) is not int or not 0 <= i < len(params):
+            return f"opt state: no parameter {i!r}"
+        # what torch's AdamW keeps per parameter (amsgrad off): a float32 step count and two moments
+        problem = _unlike(entry, {"step": torch.zeros(()), "exp_avg": params[i], "exp_avg_sq": params[i]},
+                         f"opt state[{i}]")
+        if problem:
+            return problem
+    return None
+
+
+def _read_checkpoint(path: Path, work: Path, like: dict, opt: torch.optim.Optimizer, steps: int,
+                    more: tuple[str, ...] = ()) -> dict:
+    """checkpoint.pt, checked against the live objects it is to restore: the parts in `like` have
+    their form, "opt" the optimizer's, "step" and "losses" agree; the caller checks the keys in `more`."""
+    state = _load_work_file(path, work, "a checkpoint")
+    keys = {*like, "opt", "step", "losses", *more}
+    if not isinstance(state, dict) or set(state) != keys:
+        raise _not_ours(path, work, "a checkpoint", f"not a dict of {', '.join(sorted(keys))}")
+    step, losses = state["step"], state["losses"]
+    if type(step) is not int or not 0 <= step <= steps:
+        raise _not_ours(path, work, "a checkpoint", f"step {step!r}, not one of 0..{steps}")
+    if not isinstance(losses, list) or len(losses) != step or any(type(x) is not float for x in losses):
+        raise _not_ours(path, work, "a checkpoint", f"losses: not one number per step of its {step}")
+    problem = _optimizer_unlike(state["opt"], opt) or next(
+        filter(None, (_unlike(state[k], want, k) for k, want in like.items())), None)
+    if problem:
+        raise _not_ours(path, work, "a checkpoint", problem)
+    return state
+
+
+@contextmanager
+def _restoring(path: Path, work: Path):
+    """Around the load_state_dict calls: what torch checks there that the form cannot show (a
+    generator state's bytes), in one line."""
+    try:
+        yield
+    except (RuntimeError, ValueError, TypeError, KeyError, IndexError) as e:
+        first = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+        raise _not_ours(path, work, "a checkpoint", f"torch cannot restore it: {first}") from None
+
+
+def _check_answers(records, path: Path, work: Path, s: DistillSettings, vocab_size: int) -> list[dict]:
+    """An answers shard in the form answer() writes: every later step indexes with its ids,
+    start and shapes."""
+    def bad(why: str) -> ExportError:
+        return _not_ours(path, work, "an answers shard", why)
+
+    if not isinstance(records, list):
+        raise bad(f"a {type(records).__name__}, not a list of answers")
+    for i, r in enumerate(records):
+        if not isinstance(r, dict) or set(r) != {"ids", "start", "top_ids", "top_logprobs"}:
+            raise bad(f"answer {i}: not a dict of ids, start, top_ids and top_logprobs")
+        ids, start = r["ids"], r["start"]
+        if not isinstance(ids, torch.Tensor) or ids.dtype != torch.long or ids.dim() != 1:
+            raise bad(f"answer {i}: ids not a 1-D int64 tensor")
+        if type(start) is not int or not 1 <= start < ids.shape[0]:
+            raise bad(f"answer {i}: start {start!r}, not within its {ids.shape[0]} ids")
+        shape = (ids.shape[0] - start, s.top_k)  # a top-K row per answer token
+        for name, dtype in (("top_ids", torch.int32), ("top_logprobs", torch.float16)):
+            problem = _unlike(r[name], torch.empty(shape, dtype=dtype), f"answer {i} {name}")
+            if problem:
+                raise bad(problem)
+        for t in (ids, r["top_ids"]):
+            if int(t.min()) < 0 or int(t.max()) >= vocab_size:
+                raise bad(f"answer {i}: a token id outside the target's vocabulary of {vocab_size}")
+    return records
 
 
 # -- 1. the target answers our prompts ---------------------------------------------------
@@ -156,7 +302,8 @@ def generate_data(source: Source, s: DistillSettings, work: Path, progress: bool
     while count < s.tokens:
         path = work / f"answers-{shard:05d}.pt"
         if path.is_file():
-            records = torch.load(path)
+            records = _check_answers(_load_work_file(path, work, "an answers shard"), path, work, s,
+                                    source.config.vocab_size)
         else:
             records = answer(source, batches[shard % len(batches)], s, seed=s.seed * 1_000_003 + shard)
             _save(records, path)
@@ -301,11 +448,15 @@ def train(student: Student, data: list[dict], remap: torch.Tensor, pad: int, s: 
     step = 0
     ckpt = work / "checkpoint.pt"
     if ckpt.is_file():
-        state = torch.load(ckpt)
-        student.load_state_dict(state["student"], strict=False)
-        opt.load_state_dict(state["opt"])
-        sched.load_state_dict(state["sched"])
-        sampler.set_state(state["sampler"])
+        like = {"student": student.trainable(), "sched": sched.state_dict(), "sampler": sampler.get_state()}
+        state = _read_checkpoint(ckpt, work, like, opt, s.steps)
+        if not torch.equal(state["student"]["vocab"], student.vocab):
+            raise _not_ours(ckpt, work, "a checkpoint", "its draft vocabulary is not the one of the answers")
+        with _restoring(ckpt, work):
+            student.load_state_dict(state["student"], strict=False)
+            opt.load_state_dict(state["opt"])
+            sched.load_state_dict(state["sched"])
+            sampler.set_state(state["sampler"])
         step, losses = state["step"], state["losses"]
 
     def checkpoint():
@@ -358,7 +509,7 @@ def distill(
     work.mkdir(parents=True, exist_ok=True)
     fingerprint = {"target": str(source.path), **asdict(settings)}
     saved = work / "settings.json"
-    if saved.is_file() and json.loads(saved.read_text()) != fingerprint:
+    if saved.is_file() and _read_settings(saved, work) != fingerprint:
         raise ExportError(
             f"{work}: holds an interrupted run with other settings ({saved}); "
             "rerun with those settings to resume, or delete the folder to start over"

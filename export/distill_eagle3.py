@@ -25,7 +25,8 @@ import torch
 
 from specdeploy.core.errors import ExportError
 
-from .distill import DistillSettings, _bar, _save, _schedule, data_record, generate_data, loss_fn, split_and_vocabulary
+from .distill import (DistillSettings, _bar, _load_work_file, _not_ours, _read_checkpoint, _read_settings, _restoring,
+                      _save, _schedule, _unlike, data_record, generate_data, loss_fn, split_and_vocabulary)
 from .eagle3 import Eagle3Head, HeadConfig, default_layers
 from .load import Source, load_source
 
@@ -85,7 +86,9 @@ def feature_data(source: Source, data: list[dict], layers: tuple[int, ...], work
     for shard, at in enumerate(range(0, len(data), per)):
         part = data[at : at + per]
         path = work / f"features-{shard:05d}.pt"
-        aux = torch.load(path) if path.is_file() else None
+        aux = _load_work_file(path, work, "a features shard") if path.is_file() else None
+        if aux is not None:
+            _check_features(aux, part, path, work, len(layers) * source.config.hidden_size)
         if aux is None or len(aux) != len(part):
             aux = features(source, part, layers)
             _save(aux, path)
@@ -93,6 +96,19 @@ def feature_data(source: Source, data: list[dict], layers: tuple[int, ...], work
             r["aux"] = a
         bar.update(sum(r["ids"].shape[0] for r in part))
     bar.close()
+
+
+def _check_features(aux, part: list[dict], path: Path, work: Path, width: int) -> None:
+    """A features shard in the form features() writes: a state row per id of its record (one
+    for other records, a list of another length, is computed anew)."""
+    if not isinstance(aux, list):
+        raise _not_ours(path, work, "a features shard", f"a {type(aux).__name__}, not a list of states")
+    if len(aux) != len(part):
+        return
+    for i, (a, r) in enumerate(zip(aux, part)):
+        problem = _unlike(a, torch.empty((r["ids"].shape[0], width), dtype=torch.float16), f"states {i}")
+        if problem:
+            raise _not_ours(path, work, "a features shard", problem)
 
 
 # -- the head --------------------------------------------------------------------------------------
@@ -261,11 +277,21 @@ def train(head: Eagle3Head, data: list[dict], held_out: list[dict], remap: torch
     step = 0
     ckpt = work / "checkpoint.pt"
     if ckpt.is_file():
-        state = torch.load(ckpt)
-        head.load_state_dict(state["head"])
-        opt.load_state_dict(state["opt"])
-        sched.load_state_dict(state["sched"])
-        sampler.set_state(state["sampler"])
+        like = {"head": head.state_dict(), "sched": sched.state_dict(), "sampler": sampler.get_state()}
+        state = _read_checkpoint(ckpt, work, like, opt, s.steps, more=("curve",))
+        saved_curve, point = state["curve"], {"step": 0, "training_tokens": 0, "agreement": [0.0] * s.ttt}
+        problem = (_unlike(saved_curve, [point] * len(saved_curve), "curve") if isinstance(saved_curve, list)
+                   else "curve: not a list")
+        for name in ("d2t", "t2d"):  # the maps of the draft vocabulary: the answers', not the file's
+            if not problem and not torch.equal(state["head"][name], like["head"][name]):
+                problem = f"head[{name!r}]: not the draft vocabulary of the answers"
+        if problem:
+            raise _not_ours(ckpt, work, "a checkpoint", problem)
+        with _restoring(ckpt, work):
+            head.load_state_dict(state["head"])
+            opt.load_state_dict(state["opt"])
+            sched.load_state_dict(state["sched"])
+            sampler.set_state(state["sampler"])
         step, losses, curve = state["step"], state["losses"], state["curve"]
 
     def checkpoint():
@@ -332,7 +358,7 @@ def distill_head(
     fingerprint = {"target": str(source.path), "kind": "eagle3", "layers": list(layers), **asdict(settings)}
     saved = work / "settings.json"
     if saved.is_file():
-        before = json.loads(saved.read_text())
+        before = _read_settings(saved, work)
         answers = [k for k in ("target", "tokens", "top_k", "max_new_tokens", "gen_batch", "temperature", "seed")
                    if before.get(k) != fingerprint.get(k)]
         if answers or (work / "checkpoint.pt").is_file() and before != fingerprint:
