@@ -29,17 +29,46 @@ side in ascending order.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 from torch import nn
 
 from specdeploy.core.errors import ExportError
 
+from .architectures import ROPE_TYPES
+from .source_check import check_numbers, check_values, read_json
+
 ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 IGNORED = ("embed_tokens.weight",)  # some heads carry a copy of the target's embedding: the target's is used
+# Activations of the head's MLP: transformers' own, without weights of their own (prelu and
+# xielu have some, which the published layout does not carry).
+ACTIVATIONS = ("silu", "swish", "gelu", "gelu_new", "gelu_pytorch_tanh", "relu")
+# What a weight may be stored as: each is exact in the float32 the head runs in (float64 is
+# checked as float32, so a value past its range is refused as the infinity it would become).
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+INDEX_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
+# What Llama's rope of type "default" reads: anything else (a factor, a partial_rotary_factor)
+# it ignores, where another reader of the same file might not.
+ROPE_KEYS = ("rope_type", "type", "rope_theta")
+
+
+def _show(value, most: int = 40) -> str:
+    """A value of the user's file for a message: its repr, cut with an ellipsis past `most`."""
+    text = repr(value)
+    return text if len(text) <= most else text[:most] + "..."
+
+
+def _names_a_head(archs) -> bool:
+    """Whether a config's `architectures` names an EAGLE-3 head class, in any spelling: a list
+    of names (the published one), or a bare string, which HeadConfig.read then refuses rather
+    than let it pass for an ordinary model's config."""
+    names = [archs] if isinstance(archs, str) else archs if isinstance(archs, (list, dict)) else []
+    return any(isinstance(a, str) and a in ARCHITECTURES for a in names)
 
 
 def is_head_folder(path: Path) -> bool:
@@ -48,10 +77,10 @@ def is_head_folder(path: Path) -> bool:
     if not config.is_file():
         return False
     try:
-        archs = json.loads(config.read_text()).get("architectures") or []
-    except (ValueError, OSError, AttributeError):
+        d = json.loads(config.read_text())
+    except (ValueError, OSError, RecursionError):  # not a head's config: the model loader says what it is
         return False
-    return any(a in ARCHITECTURES for a in archs)
+    return isinstance(d, dict) and _names_a_head(d.get("architectures"))
 
 
 def default_layers(n: int) -> tuple[int, ...]:
@@ -82,49 +111,161 @@ class HeadConfig:
 
     @classmethod
     def read(cls, folder: Path) -> "HeadConfig":
+        """The config of the head in `folder`, or one line naming config.json and the field:
+        every value the head is built from is checked here, before any weight is read, so a
+        head that reads is the file's (no field transformers would drop or turn into a
+        rotary of zeros, none that fails later in a module's constructor)."""
         path = Path(folder) / "config.json"
-        try:
-            d = json.loads(path.read_text())
-        except (OSError, ValueError) as e:
-            raise ExportError(f"{path}: cannot read the head's config ({e})") from None
+        d = read_json(path, "head config")
+        if not isinstance(d, dict):
+            raise ExportError(f"{path}: the head's config is {type(d).__name__}, not a JSON object")
+
+        def refuse(key: str, why: str):
+            raise ExportError(f"{path}: {key}: {why}")
 
         def number(key, kind=int, default=None):
             value = d.get(key, default)
-            if value is None or isinstance(value, bool) or not isinstance(value, (int, float) if kind is float else int) \
-                    or value <= 0:
-                raise ExportError(f"{path}: '{key}' must be a positive {'number' if kind is float else 'integer'}, "
-                                  f"got {value!r:.40}")
+            ok = value is not None and not isinstance(value, bool) \
+                and isinstance(value, (int, float) if kind is float else int)
+            if ok and kind is float:
+                try:
+                    ok = math.isfinite(float(value))
+                except OverflowError:  # an integer past float's range
+                    ok = False
+            if not ok or value <= 0:
+                raise ExportError(f"{path}: '{key}' must be a positive {'number (finite)' if kind is float else 'integer'}, "
+                                  f"got {_show(value)}")
             return kind(value)
 
+        archs = d.get("architectures")
+        # A bare string is refused, not read as the one-element list: trusted loaders take the
+        # published form only, and a string's characters compared as names was the old misreading.
+        if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs) or not _names_a_head(archs):
+            refuse("architectures", f"{_show(archs, 60)}: expected a list of class names holding one of "
+                                    f"{', '.join(ARCHITECTURES)}")
         if d.get("num_hidden_layers", 1) != 1:
-            raise ExportError(f"{path}: num_hidden_layers {d.get('num_hidden_layers')!r}: an EAGLE-3 head has one layer")
+            raise ExportError(f"{path}: num_hidden_layers {_show(d.get('num_hidden_layers'))}: an EAGLE-3 head has one layer")
         hidden = number("hidden_size")
         heads = number("num_attention_heads")
-        layers = (d.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids", d.get("eagle_aux_hidden_state_layer_ids"))
+        kv = number("num_key_value_heads", default=heads)
+        given_head_dim = number("head_dim") if "head_dim" in d else None
+        intermediate = number("intermediate_size")
+        vocab = number("vocab_size")
+        max_positions = number("max_position_embeddings", default=2048)
+        eps = number("rms_norm_eps", float, 1e-6)
+        theta = number("rope_theta", float, 10000.0)
+        rope_key, rope_scaling = cls._rope_scaling(d, refuse)
+        # transformers' reading: the rope dict's own values first, the top-level rope_theta
+        # only where the dict has none (export/distill_eagle3.py writes both).
+        rope = {"rope_theta": theta, **(rope_scaling or {})}
+        # The remaining numbers as export/source_check.py checks a model's: sizes past any
+        # model's, heads that do not divide, rope parameters not positive and finite.
+        check_numbers(SimpleNamespace(
+            hidden_size=hidden, num_attention_heads=heads, num_key_value_heads=kv, head_dim=given_head_dim,
+            intermediate_size=intermediate, vocab_size=vocab, max_position_embeddings=max_positions,
+            num_hidden_layers=d.get("num_hidden_layers"), rms_norm_eps=eps), str(path))
+        # (check_numbers calls the rope dict rope_parameters, transformers' name: the field the
+        # file gave it under is named beside the file)
+        check_numbers(SimpleNamespace(rope_parameters=rope), f"{path} ({rope_key or 'rope_theta'})")
+        head_dim = given_head_dim or hidden // heads
+        if head_dim % 2:
+            refuse("head_dim", f"{head_dim}: the rotary turns pairs of a head's values, so it must be even")
+        draft_vocab = number("draft_vocab_size", default=vocab)
+        if draft_vocab > vocab:
+            refuse("draft_vocab_size", f"{draft_vocab}: a draft vocabulary within the vocabulary (vocab_size {vocab})")
+        act = d.get("hidden_act", "silu")
+        if act not in ACTIVATIONS:
+            refuse("hidden_act", f"{_show(act)} is not one of {', '.join(ACTIVATIONS)}")
+        nested = d.get("eagle_config")
+        if nested is not None and not isinstance(nested, dict):
+            refuse("eagle_config", f"{_show(nested)} is not an object")
+        layers = (nested or {}).get("eagle_aux_hidden_state_layer_ids", d.get("eagle_aux_hidden_state_layer_ids"))
         if layers is not None and (not isinstance(layers, list) or len(layers) != 3
                                    or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in layers)):
-            raise ExportError(f"{path}: eagle_aux_hidden_state_layer_ids {layers!r:.60}: expected three layer ids")
-        rope_scaling = d.get("rope_scaling")
-        if rope_scaling is not None and not isinstance(rope_scaling, dict):
-            raise ExportError(f"{path}: rope_scaling {rope_scaling!r:.40} is not an object")
-        vocab = number("vocab_size")
-        return cls(
+            raise ExportError(f"{path}: eagle_aux_hidden_state_layer_ids {_show(layers, 60)}: expected three layer ids")
+        top = d.get("eagle_aux_hidden_state_layer_ids")
+        if nested and "eagle_aux_hidden_state_layer_ids" in nested and top is not None and top != layers:
+            refuse("eagle_aux_hidden_state_layer_ids", f"{_show(top)} at the top level and {_show(layers)} in eagle_config "
+                   "disagree: which target layers the head reads is ambiguous")
+        before_residual = d.get("norm_before_residual", False)
+        if not isinstance(before_residual, bool):  # bool("false") is True: another model
+            refuse("norm_before_residual", f"{_show(before_residual)}: expected true or false")
+        cfg = cls(
             hidden_size=hidden,
             target_hidden_size=number("target_hidden_size", default=hidden),
             num_heads=heads,
-            num_kv_heads=number("num_key_value_heads", default=heads),
-            head_dim=number("head_dim", default=hidden // heads),
-            intermediate_size=number("intermediate_size"),
+            num_kv_heads=kv,
+            head_dim=head_dim,
+            intermediate_size=intermediate,
             vocab_size=vocab,
-            draft_vocab_size=number("draft_vocab_size", default=vocab),
-            rms_norm_eps=number("rms_norm_eps", float, 1e-6),
-            rope_theta=number("rope_theta", float, 10000.0),
+            draft_vocab_size=draft_vocab,
+            rms_norm_eps=eps,
+            rope_theta=theta,
             rope_scaling=rope_scaling,
-            max_position_embeddings=number("max_position_embeddings", default=2048),
-            hidden_act=str(d.get("hidden_act", "silu")),
+            max_position_embeddings=max_positions,
+            hidden_act=act,
             aux_layers=tuple(sorted(layers)) if layers is not None else None,
-            norm_before_residual=bool(d.get("norm_before_residual", False)),
+            norm_before_residual=before_residual,
         )
+        cfg._check_layer(path, lambda why: refuse(rope_key or "rope_theta", f"{_show(rope, 80)}: {why}"))
+        return cfg
+
+    @staticmethod
+    def _rope_scaling(d: dict, refuse) -> tuple[str | None, dict | None]:
+        """(the field that gave it, the head's rope dict): `rope_scaling`, or `rope_parameters`
+        (transformers 5's spelling, which it reads in place of rope_theta too), checked for a
+        type the graph computes and for values transformers would ignore."""
+        given = {key: d[key] for key in ("rope_scaling", "rope_parameters") if d.get(key) is not None}
+        for key, value in given.items():
+            if not isinstance(value, dict):
+                refuse(key, f"{_show(value)} is not an object")
+            if any(isinstance(v, dict) for v in value.values()):
+                refuse(key, "rope parameters per layer type; an EAGLE-3 head has one layer and one rope")
+        if len(given) == 2 and given["rope_scaling"] != given["rope_parameters"]:
+            refuse("rope_scaling", "it and rope_parameters disagree: which rope the head was trained with is ambiguous")
+        if not given:
+            return None, None
+        key, params = next(iter(given.items()))
+        kind = params.get("rope_type", params.get("type", "default"))
+        if "rope_type" in params and "type" in params and params["type"] != kind:
+            refuse(key, f"rope_type {_show(kind, 20)} and type {_show(params['type'], 20)} disagree")
+        if not isinstance(kind, str) or kind not in ROPE_TYPES:
+            refuse(key, f"rope_type {_show(kind, 30)} is not implemented (implemented: {', '.join(ROPE_TYPES)}; the head's "
+                        "graph computes fixed angles per position)")
+        ignored = sorted(str(k) for k in params if k not in ROPE_KEYS)
+        if kind == "default" and ignored:  # transformers drops them with a warning: a factor without a type
+            refuse(key, f"{', '.join(ignored)} is ignored by rope_type 'default' (given or implied); name the rope_type "
+                        "that reads it")
+        return key, params
+
+    def _check_layer(self, path: Path, refuse_rope) -> None:
+        """Build the head's Llama config and rotary as its module will, and refuse what
+        transformers will not build from the config (its own checks: hidden_size a multiple
+        of the heads even where head_dim is given, the keys a rope type needs; its rope code's
+        zero divisions) or what the rotary would compute from it: frequencies that are not
+        finite (a base so small they overflow float32), or fewer than head_dim / 2 of them (a
+        partial rotary the graph does not do)."""
+        from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+        try:
+            from huggingface_hub.errors import StrictDataclassError  # transformers 5's config validation
+        except ImportError:  # an older huggingface_hub: transformers raises ValueError there
+            StrictDataclassError = ValueError
+        try:
+            rotary = LlamaRotaryEmbedding(self.llama_config())
+        except (ValueError, KeyError, TypeError, ArithmeticError, StrictDataclassError) as e:
+            cause = e.__cause__ or e  # the validation error wraps the reason
+            text = " ".join(str(cause).split())  # one line
+            failed = f"{type(cause).__name__}: {text[:160]}"
+        else:
+            failed = None
+        if failed:
+            raise ExportError(f"{path}: transformers cannot build the head's layer from it ({failed})")
+        inv, scale = rotary.inv_freq, float(rotary.attention_scaling)
+        if tuple(inv.shape) != (self.head_dim // 2,):
+            refuse_rope(f"{inv.numel()} rotary frequencies for head_dim {self.head_dim}; the graph rotates the whole head")
+        if not bool(torch.isfinite(inv).all()) or bool((inv < 0).any()) or not math.isfinite(scale) or scale <= 0:
+            refuse_rope(f"the rotary frequencies it gives are not finite and non-negative (attention scaling {scale:.3g})")
 
     def llama_config(self):
         """A LlamaConfig of the head's layer: its RoPE (scaling included) and MLP."""
@@ -189,10 +330,18 @@ def read_weights(folder: Path, cfg: HeadConfig) -> dict[str, torch.Tensor]:
             from safetensors.torch import load_file
 
             tensors = load_file(str(path))
-        else:
+        else:  # weights_only: tensors and containers only, never code a pickle would run
             tensors = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # safetensors' and torch's own errors for a damaged file
-        raise ExportError(f"{path}: cannot read the head's weights ({str(e).splitlines()[0][:120]})") from None
+        first = str(e).splitlines()[0][:120] if str(e) else type(e).__name__
+        raise ExportError(f"{path}: cannot read the head's weights ({first})") from None
+    # A .bin may hold any container of tensors and plain values: the head's is a flat mapping.
+    if not isinstance(tensors, dict) or not all(isinstance(k, str) for k in tensors):
+        raise ExportError(f"{path}: holds a {type(tensors).__name__}, not a mapping of tensor names to tensors")
+    for name, t in tensors.items():
+        if not isinstance(t, torch.Tensor) or t.layout != torch.strided or t.device.type != "cpu":
+            what = f"of type {type(t).__name__}" if not isinstance(t, torch.Tensor) else f"a {t.layout} tensor on {t.device}"
+            raise ExportError(f"{path}: entry {_show(name, 80)} is {what}, not a dense CPU tensor")
     shapes = cfg.shapes()
     if cfg.draft_vocab_size == cfg.vocab_size:
         tensors.setdefault("d2t", torch.zeros(cfg.vocab_size, dtype=torch.long))
@@ -205,7 +354,23 @@ def read_weights(folder: Path, cfg: HeadConfig) -> dict[str, torch.Tensor]:
                               f"{list(shape)}")
     extra = sorted(set(tensors) - set(shapes) - set(IGNORED))
     if extra:
-        raise ExportError(f"{path}: tensor {extra[0]!r} is not part of an EAGLE-3 head")
+        raise ExportError(f"{path}: tensor {_show(extra[0], 80)} is not part of an EAGLE-3 head")
+    for name in shapes:
+        t = tensors[name]
+        if name == "d2t" and t.dtype not in INDEX_DTYPES:  # float offsets would be truncated to other tokens
+            raise ExportError(f"{path}: tensor 'd2t' is {t.dtype}; it holds token offsets, an integer type")
+        if name == "t2d" and t.dtype not in (torch.bool, *INDEX_DTYPES):
+            raise ExportError(f"{path}: tensor 't2d' is {t.dtype}; it is a mask over the vocabulary, bool")
+        if name == "t2d" and t.dtype != torch.bool and not bool(((t == 0) | (t == 1)).all()):
+            raise ExportError(f"{path}: tensor 't2d' holds values other than 0 and 1; it is a mask over the vocabulary")
+        if name not in ("d2t", "t2d") and t.dtype not in FLOAT_DTYPES:
+            raise ExportError(f"{path}: tensor {name!r} is {t.dtype}; the head's weights are floating point "
+                              f"({', '.join(str(d).removeprefix('torch.') for d in FLOAT_DTYPES)})")
+    # No NaN or infinity in a weight, as the float32 module will hold it: found here, by name,
+    # not later as a parity failure or as drafts that are never accepted.
+    held = {name: t.float() if t.dtype == torch.float64 else t for name, t in tensors.items()
+            if name in shapes and t.is_floating_point()}
+    check_values(SimpleNamespace(named_parameters=held.items, named_buffers=dict().items), str(path))
     d2t = tensors["d2t"].long()
     ids = torch.arange(cfg.draft_vocab_size) + d2t
     if int(ids.min()) < 0 or int(ids.max()) >= cfg.vocab_size or ids.unique().numel() != ids.numel():
@@ -246,15 +411,13 @@ def load_head(folder: Path, target_config) -> Head:
         raise ExportError(f"{where}: reads target layers {list(layers)}; expected three distinct layers of the "
                           f"target's 0..{n - 1}")
     # The head's RoPE is its own, the one it was trained with (EAGLE's published heads train
-    # with base 10000 over a Llama-3.1 target of 500000): its config's, never the target's.
-    if cfg.rope_scaling is not None:
-        try:
-            cfg.llama_config()
-        except (ValueError, KeyError, TypeError) as e:
-            raise ExportError(f"{where}: rope_scaling {cfg.rope_scaling!r:.60} ({str(e).splitlines()[0][:80]})") from None
+    # with base 10000 over a Llama-3.1 target of 500000): its config's, never the target's
+    # (HeadConfig.read has checked it, building the rotary as the module will).
     weights = read_weights(folder, cfg)
     record = folder / "distill.json"
-    distilled = json.loads(record.read_text()) if record.is_file() else None
+    distilled = read_json(record, "distill record") if record.is_file() else None
+    if distilled is not None and not isinstance(distilled, dict):  # the manifest takes it as an object
+        raise ExportError(f"{record}: the distill record is {type(distilled).__name__}, not a JSON object")
     return Head(folder, cfg, weights, tuple(layers), distilled)
 
 
