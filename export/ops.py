@@ -214,10 +214,12 @@ def _(qkv, key_cache, value_cache, write_indices, attention_mask, cos_cache, sin
 def group_query_attention_onnx(qkv, key_cache, value_cache, write_indices, attention_mask, cos_cache, sin_cache,
                                num_heads, kv_heads, scaling):
     """GroupQueryAttention with past and present sharing one buffer (ONNX Runtime shares them
-    when both are bound to the same memory, as the runtime binds every KV buffer): the T new
-    rows are written at slots total - T .. total - 1, total = L (the mask's last dim), and
-    attention is causal over the first `total` slots. The mask's values are not read: this
-    graph serves contiguous causal passes only (prefill, steps, chain verification)."""
+    when both are bound to the same memory, as the runtime binds every KV buffer): sequence b's
+    T new rows are written at slots write_indices[b] .. write_indices[b] + T - 1 (its
+    seqlens_k: the last row's slot), and each row attends causally over its own sequence's
+    slots up to it; total = L (the mask's last dim), the longest. The mask's values are not
+    read: this graph serves contiguous causal passes only (prefill, steps, chain verification),
+    one sequence or a batch of them."""
     from onnxscript import values
 
     register_schema(
@@ -233,7 +235,8 @@ def group_query_attention_onnx(qkv, key_cache, value_cache, write_indices, atten
     )
     op = values.Opset("", 24)
     total = op.Shape(attention_mask, start=3, end=4)  # [1]: L
-    seqlens = op.Cast(op.Sub(total, op.Constant(value_ints=[1])), to=6)  # [B] int32 (B = 1): the last row's slot
+    rows = op.Shape(qkv, start=1, end=2)  # [1]: T
+    seqlens = op.Cast(op.Sub(op.Add(write_indices, rows), op.Constant(value_ints=[1])), to=6)  # [B] int32
     return contrib("GroupQueryAttention")(
         qkv, None, None, key_cache, value_cache, seqlens, op.Cast(op.Squeeze(total), to=6), cos_cache, sin_cache,
         num_heads=num_heads, kv_num_heads=kv_heads, do_rotary=1, rotary_interleaved=0, scale=scaling,

@@ -48,12 +48,14 @@ def concurrently(batched, work, stagger=0.0):
     return out
 
 
-@pytest.mark.parametrize("name", ["llama-ngram", "llama-suffix", "qwen2-self", "mistral-model", "llama-same"])
+@pytest.mark.parametrize("name", ["llama-ngram", "llama-suffix", "qwen2-self", "mistral-model", "llama-same",
+                                  "llama-self-int8"])
 def test_every_request_in_a_batch_equals_it_alone(bundles, name):
     """Greedy and seeded sampled, pinned and auto draft lengths, plain, different prompt lengths
     and finishing times, requests joining as others leave: token for token what Session gives.
     Lookup drafts (ngram, suffix) and draft graphs (a self-draft, a separate model with a
-    sliding window, the target drafting for itself: every draft accepted)."""
+    sliding window, the target drafting for itself: every draft accepted; its own int8 copy, a
+    fused graph whose catch-ups run alone and whose steps are batched)."""
     work = jobs()
     want = solo(bundles(name), work)
     batched = BatchSession(bundles(name), batch=4, max_queue=32)
@@ -414,5 +416,34 @@ def test_a_burst_gets_every_place_the_batch_and_its_queue_offer(bundles):
             t.join(timeout=30)
         assert len(gens) == 5 and all(len(collect(g)) > 0 for g in gens)
         assert batched.waiting == 0
+    finally:
+        batched.close()
+
+
+@pytest.mark.parametrize("name", ["qwen2-self", "llama-self-int8"])
+def test_a_draft_graph_runs_once_a_step_for_the_whole_batch(bundles, name):
+    """Four lanes drafting 3 tokens a round together: one draft pass per draft step for all of
+    them (a fused graph: each lane's catch-up alone, its two steps batched), not 3 per lane."""
+    batched = BatchSession(bundles(name), batch=4, max_queue=4)
+    try:
+        draft = batched.draft.engine
+        before = (draft.passes, batched.rounds)
+        gens: list = []
+        with batched.hold():  # the four join at the same round
+            threads = [threading.Thread(target=lambda p=p: gens.append(batched.stream(p, max_new_tokens=24, draft_len=3)))
+                       for p in tiny.PROMPTS[:4]]
+            for t in threads:
+                t.start()
+            while batched.waiting < 4:
+                time.sleep(0.001)
+        for t in threads:
+            t.join(timeout=30)
+        outs = [collect(g) for g in gens]
+        passes, rounds = draft.passes - before[0], batched.rounds - before[1]
+        per_round = 3 if draft.wide_batches else 2 + 4  # a fused graph: two batched steps + four catch-ups
+        joins = 4  # each lane's first catch-up (its prompt) runs as a pass of its own
+        assert all(len(o) > 0 for o in outs)
+        assert passes <= per_round * rounds + joins, (passes, rounds)
+        assert passes < 3 * 4 * rounds / 1.5  # what one fork per lane would run, by a clear margin
     finally:
         batched.close()

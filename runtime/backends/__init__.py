@@ -106,11 +106,12 @@ def make_engine(backend: "str | BackendChoice", bundle, spec, threads: int | Non
     return engine_class(choice.name).from_bundle(bundle, spec, threads=threads, **choice.engine_options())
 
 
-def make_batch_engine(backend: str, bundle, batch: int, threads: int | None = None, device: str | None = None):
-    """The bundle's target over `batch` KV slots (runtime/decoding/batch.py): ONNX Runtime on the
-    CPU, or the torch backend (CPU or CUDA)."""
+def make_batch_engine(backend: str, bundle, batch: int, threads: int | None = None, device: str | None = None,
+                      role: str = "target"):
+    """The bundle's target (or draft graph) over `batch` KV slots (runtime/decoding/batch.py):
+    ONNX Runtime on the CPU, or the torch backend (CPU or CUDA)."""
     choice = BackendChoice.of(backend, device)
-    spec = bundle.model("target")
+    spec = bundle.model(role)
     if choice.name == "ort":
         if choice.device is not None and choice.device.kind != "cpu":
             raise InputError("batched passes on ONNX Runtime run on the CPU; on a GPU use --backend torch")

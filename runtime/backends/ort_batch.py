@@ -58,6 +58,9 @@ class OrtBatchEngine:
         self.slot_bytes = self.kv[0][0].nbytes
         self._bindings: dict[tuple[int, int], ort.IOBinding] = {}  # (first slot, B) -> KV bound once
         self._logits = np.zeros((max_batch, 1, spec.logits_width), np.float32)  # grown on demand (T rows)
+        # ONNX Runtime's GroupQueryAttention (a fused graph) takes several sequences a pass only in
+        # single steps: a pass of T > 1 rows carries one sequence
+        self.wide_batches = spec.attention != "fused"
         self.passes = 0
         self.rows = 0  # rows computed, padding included
 

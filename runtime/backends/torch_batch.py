@@ -69,6 +69,7 @@ class TorchBatchEngine:
         self._pool = torch.cuda.graph_pool_handle() if self.capture else None
         self._host: dict[tuple[int, int], torch.Tensor] = {}
         self.stats = TorchEngineStats(device=str(self.device), capture=self.capture)
+        self.wide_batches = True  # passes of any B x T (its fused attention is the eager reference)
         self.passes = 0
 
     @classmethod
@@ -80,9 +81,9 @@ class TorchBatchEngine:
             torch.set_num_threads(threads)
         if spec.dtype in ("int8", "int4"):
             raise InputError(
-                f"{bundle.path}: an {spec.dtype} target on --backend torch: its rows are not bit-identical from one pass "
-                "shape to another (docs/backends.md), so a request's output would depend on the batch; use --backend "
-                "ort, or a float bundle")
+                f"{bundle.path}: an {spec.dtype} {spec.role} graph on --backend torch: its rows are not bit-identical "
+                "from one pass shape to another (docs/backends.md), so a request's output would depend on the batch; use "
+                "--backend ort, or a float bundle")
         if device is None:
             device = "cuda" if torch.cuda.is_available() else "cpu"
         options.setdefault("capture_max_t", bundle.max_draft + 1)

@@ -37,10 +37,12 @@ import numpy as np
 from specdeploy.core.errors import BundleError, InputError, SpecdeployError
 from specdeploy.core.manifest import Bundle, load_bundle
 
-from specdeploy.runtime.backends import BackendChoice
+from specdeploy.runtime.backends import make_batch_engine
 from specdeploy.runtime.backends.ort import settle_thread_pool, thread_pool_choice
 from specdeploy.runtime.decoding.accept import accept_chain, accept_path
+from specdeploy.runtime.decoding.batch_draft import BatchDraft
 from specdeploy.runtime.decoding.drafters import Proposal, drafter_class, make_drafter
+from specdeploy.runtime.decoding.drafters.model import static_cost_ratio
 from specdeploy.runtime.decoding.engine import Checked
 from specdeploy.runtime.decoding.loop import check_finite
 from specdeploy.runtime.decoding.policy import DraftLength, PassCost, Probes, TreeSize
@@ -95,8 +97,10 @@ class BatchPolicy:
         self._resting: dict[int, int] = {}  # batch size -> plain rounds left before the next evaluation
         self._probe = False  # the round being planned is a probe
         self.probing = False  # choose_k's k is a probe: one lane drafts it
-        self.step: float | None = None  # a model draft's step (T = 1), in seconds (decayed mean)
-        self.first: float | None = None  # its first pass of a round (catching up), in seconds
+        # a draft graph's batched passes, by batch size (decayed means, seconds): a step (T = 1)
+        # and the first pass of a round (catching up on the tokens the last round committed)
+        self.step: dict[int, float] = {}
+        self.first: dict[int, float] = {}
 
     def looks(self, lanes: int) -> bool:
         """Whether this round looks up the chains of the lanes the policy drafts for: not while
@@ -140,13 +144,15 @@ class BatchPolicy:
             return 2 if self.probes.due() else 1
         return int(ts[best])
 
-    def choose_k(self, lanes: int, least: int, holds: list[np.ndarray], step: float, first: float) -> int:
-        """A model draft's k for the lanes the policy drafts for (each runs k draft passes of
-        draft passes, one lane after another, before the verify pass: the first `first` seconds,
-        each later one `step`): `holds` each lane's
-        chance that draft position 1..max holds given the ones before (DraftLength.held);
-        `least` the k the lanes that choose for themselves draft anyway (their passes are
-        spent either way). Plain steps (k = 0) unless a k beats them by PAYS."""
+    def choose_k(self, lanes: int, least: int, holds: list[np.ndarray], prior: float) -> int:
+        """A model draft's k for the lanes the policy drafts for (the batch runs k draft passes,
+        every lane in each, before the verify pass: the first as measured at this batch size,
+        each later one a step; before any is measured, a step costs `prior` seconds): `holds`
+        each lane's chance that draft position 1..max holds given the ones before
+        (DraftLength.held); `least` the k the lanes that choose for themselves draft anyway
+        (their passes are spent either way). Plain steps (k = 0) unless a k beats them by PAYS."""
+        step = self.step.get(lanes, prior)
+        first = self.first.get(lanes, 1.2 * step)
         probe, self._probe = self._probe, False
         self.probing = False
         cost = self.cost(lanes)
@@ -160,8 +166,8 @@ class BatchPolicy:
         for held in holds:
             gained = np.concatenate([[0.0], np.cumsum(np.cumprod(held))])
             tokens += 1.0 + gained[ks]
-        drafting = np.where(ks > 0, first + (ks - 1) * step, 0.0)  # one lane's draft passes
-        rates = tokens / np.maximum(len(holds) * drafting + cost.seconds(ks + 1), 1e-9)
+        drafting = np.where(ks > 0, first + (ks - 1) * step, 0.0)  # the batch's draft passes
+        rates = tokens / np.maximum(drafting + cost.seconds(ks + 1), 1e-9)
         best = int(rates.argmax())
         if least == 0 and best > 0 and rates[best] < self.PAYS * rates[0]:
             best = 0
@@ -171,16 +177,17 @@ class BatchPolicy:
             return 1 if self.probing else 0
         return int(ks[best])
 
-    def drafted(self, proposal: Proposal) -> None:
-        """A model draft's passes, timed: what choose_k prices them by. Its first pass feeds the
-        tokens the draft has not seen (after a round, the ones it committed) and is priced on its
-        own, as DraftLength prices it; a first pass over a whole prompt says nothing of a round's."""
+    def drafted(self, proposal: Proposal, lanes: int) -> None:
+        """A round's batched draft passes over `lanes` lanes, timed: what choose_k prices them by.
+        The first pass feeds the tokens the draft has not seen (after a round, the ones it
+        committed) and is priced on its own, as DraftLength prices it; a first pass that caught up
+        on a whole prompt says nothing of a round's."""
         p = proposal
         if p.passes > 1:
             step = (p.seconds - p.first_seconds) / (p.passes - 1)
-            self.step = step if self.step is None else 0.9 * self.step + 0.1 * step
+            self.step[lanes] = _decay(self.step.get(lanes), step)
         if p.first_seconds and p.caught_up <= self.max_draft + 1:
-            self.first = p.first_seconds if self.first is None else 0.9 * self.first + 0.1 * p.first_seconds
+            self.first[lanes] = _decay(self.first.get(lanes), p.first_seconds)
 
     def update(self, lanes: int, t: int, seconds: float, drafted: bool, accepted: int) -> None:
         """After a round of `lanes` lanes at width `t` that took `seconds`; `accepted`: the draft
@@ -193,6 +200,10 @@ class BatchPolicy:
         if drafted:
             plain, wide = cost.seconds(np.array([1, t]))
             self.probes.settle((lanes + accepted) * plain >= self.PAYS * wide * lanes)
+
+
+def _decay(mean: float | None, value: float) -> float:
+    return value if mean is None else 0.9 * mean + 0.1 * value
 
 
 @dataclass(eq=False)  # a lane is itself: found in lists by identity
@@ -266,18 +277,19 @@ class BatchSession(Prompts):
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids)
         self.target = make_batch_engine(backend, b, batch, threads, device)
         kind = b.draft_kind
-        self.drafter = None
-        self.model_draft = kind in ("model", "self")  # a draft graph: each lane drafts with a fork of its own
+        self.drafter = None  # a model-free lookup: forked per lane, run on the host
+        self.draft: BatchDraft | None = None  # a draft graph: one batched pass per draft step (batch_draft.py)
         if kind != "none":
             cls = drafter_class(kind)
-            if getattr(cls, "engine", "graph") is None:  # a model-free lookup: per lane, on the host
+            if getattr(cls, "engine", "graph") is None:
                 self.drafter = make_drafter(b, "ort", threads)
-            elif self.model_draft:
-                self.drafter = make_drafter(b, BackendChoice.of(backend, device), threads)
+            elif kind in ("model", "self"):
+                engine = make_batch_engine(backend, b, batch, threads, device, role="draft")
+                ratio = static_cost_ratio(b, b.model("draft"), b.model("target"))
+                self.draft = BatchDraft(engine, ratio, batch, catch_up=b.max_draft + 1)
             else:
                 log.warning(f"{b.path}: its {kind} draft reads the target's hidden states, which batched passes do "
                             "not return yet; batched rounds decode without it (plain steps, the same output)")
-        self._spare: list = []  # draft forks of lanes that left, for the next ones
         self.batch = batch
         self.max_queue = max_queue
         self.wait_seconds = wait_seconds
@@ -407,16 +419,14 @@ class BatchSession(Prompts):
         params = SamplingParams(req.temperature, req.top_k, req.top_p, req.seed)
         max_draft = self.bundle.max_draft
         fixed = None if req.draft_len == "auto" else req.draft_len
-        speculate = self.drafter is not None and req.speculate and fixed != 0
-        if speculate and self.model_draft:  # a draft graph with K/V of its own, as Session's
-            with self._lock:
-                drafter = self._spare.pop() if self._spare else None
-            drafter = drafter or self.drafter.fork()
+        speculate = (self.drafter is not None or self.draft is not None) and req.speculate and fixed != 0
+        if speculate and self.draft is not None:  # the batch's draft graph, in the lane's slot of it
             lengths = (DraftLength(max_draft, fixed=fixed) if fixed is not None else
-                       DraftLength(max_draft, cost_ratio=self.drafter.cost_ratio, measure=params.greedy))
+                       DraftLength(max_draft, cost_ratio=self.draft.cost_ratio, measure=params.greedy))
             if params.greedy and fixed is None:
                 lengths.carry_from(self._auto_lengths)
-            return Lane(req, ids, n, params, np.random.default_rng(params.seed), drafter, None, fixed, lengths, end=n)
+            return Lane(req, ids, n, params, np.random.default_rng(params.seed), self.draft, None, fixed, lengths,
+                        end=n)
         drafter = self.drafter.fork() if speculate else None
         if drafter is not None and drafter.keeps_history:
             drafter.private = req.private
@@ -499,6 +509,8 @@ class BatchSession(Prompts):
         with self._lock:
             lanes, self._lanes = self._lanes, []
             self._held = [None] * self.batch  # what the slots hold is not known any more
+            if self.draft is not None:
+                self.draft.forget()
         for lane in lanes:
             lane.dropped = True
             lane.out.put(error)
@@ -523,6 +535,10 @@ class BatchSession(Prompts):
             if best != at:
                 self.target.swap(at, best, self._held[at][1] if self._held[at] else 0, self._held[best][1])
                 self._held[at], self._held[best] = self._held[best], self._held[at]
+                if self.draft is not None:
+                    self.draft.swap(at, best)
+            if self.draft is not None and lane.req.private:
+                self.draft.forget(at)  # a private request reads no cache, the draft's included
             self._held[at] = None
             lane.slot = at
             lane.prefilled = reuse
@@ -573,6 +589,8 @@ class BatchSession(Prompts):
         other = next((x for x in self._lanes if x.slot == slot), None)
         other_length = other.kv_length if other is not None else (self._held[slot][1] if self._held[slot] else 0)
         self.target.swap(lane.slot, slot, lane.kv_length, other_length)
+        if self.draft is not None:
+            self.draft.swap(lane.slot, slot)
         if other is not None:
             other.slot = lane.slot
         else:
@@ -599,17 +617,20 @@ class BatchSession(Prompts):
         keep = not lane.req.private and self.prompt_cache
         self._held[lane.slot] = (lane.ids[: lane.end].copy(), lane.kv_length) if keep else None
         self._lanes.remove(lane)
-        if lane.drafter is not None and lane.drafter.keeps_history:
-            lane.drafter.remember(lane.ids[: lane.end])
-        if lane.lengths is not None:  # a draft fork: the next lane's (a private request's K/V forgotten)
-            if lane.req.private:
-                lane.drafter.reset()
-            self._spare.append(lane.drafter)
-        if lane.greedy_auto:  # what it measured: the next greedy lane starts from it
-            if lane.lengths is not None:
-                self._auto_lengths = lane.lengths
-            else:
-                self._auto = lane.sizes
+        try:
+            if lane.lengths is not None:  # the batch's draft graph
+                if lane.req.private:  # its text's draft K/V would speed up a later request
+                    self.draft.forget(lane.slot)
+            elif lane.drafter is not None and lane.drafter.keeps_history:
+                lane.drafter.remember(lane.ids[: lane.end])
+            if lane.greedy_auto:  # what it measured: the next greedy lane starts from it
+                if lane.lengths is not None:
+                    self._auto_lengths = lane.lengths
+                else:
+                    self._auto = lane.sizes
+        except Exception as e:  # out of _lanes already: _fail would not tell its reader
+            lane.out.put(e if isinstance(e, SpecdeployError) else BundleError(f"batched round failed: {e}"))
+            raise
         lane.out.put(_END)
 
     # -- one round ---------------------------------------------------------------------------
@@ -644,42 +665,46 @@ class BatchSession(Prompts):
         lane.tokens = lane.tree.tokens
         return lane.tokens.shape[0]
 
-    def _plan_model(self, lane: Lane, k: int | None = None) -> int:
-        """A model draft's round for the lane: `k` drafts (the batch's choice), or its own choice
-        (pinned, or a sampled lane's own policy, called every round as Session's round calls it),
-        drafted now by its own fork of the draft graph. -> the drafts it verifies."""
+    def _own_k(self, lane: Lane) -> int:
+        """A model draft's k for a lane that chooses for itself: pinned, or a sampled lane's own
+        policy (called every round, as Session's round calls it)."""
         most = lane.req.max_new_tokens - (lane.end - lane.n) - 1
-        lane.tree, lane.tokens, lane.proposal = None, EMPTY, None
-        if k is None:
-            k = lane.fixed if lane.fixed is not None else lane.lengths.choose()
-        k = min(k, most)
-        if k <= 0:
+        if lane.lengths is None:
             return 0
-        lane.proposal = lane.drafter.propose(lane.ids[: lane.end], k, lane.params, lane.rng, lane.lengths.min_confidence)
-        self.policy.drafted(lane.proposal)
-        lane.tokens = lane.proposal.tokens
-        return lane.tokens.shape[0]
+        return max(0, min(lane.fixed if lane.fixed is not None else lane.lengths.choose(), most))
+
+    def _draft(self, lanes: list[Lane], ks: list[int]) -> None:
+        """Every lane's drafts of this round, in one batched pass per draft step."""
+        confidence = [lane.lengths.min_confidence if lane.lengths is not None else 0.0 for lane in lanes]
+        proposals = self.draft.propose(lanes, ks, confidence)
+        for lane, proposal in zip(lanes, proposals):
+            lane.tree, lane.proposal = None, proposal
+            lane.tokens = proposal.tokens if proposal is not None else EMPTY
+        timed = next((p for p in proposals if p is not None), None)
+        if timed is not None:
+            self.policy.drafted(timed, len(lanes))
 
     def _round(self, lanes: list[Lane]) -> None:
         started = time.perf_counter()
         b = len(lanes)
         ends = sum(lane.end for lane in lanes)
         assert [lane.slot for lane in lanes] == list(range(b)), [(lane.slot, lane.ready) for lane in self._lanes]
-        plan = lambda lane, *a: (self._plan_model if lane.lengths is not None else self._plan)(lane, *a)  # noqa: E731
-        least = [0 if lane.greedy_auto else plan(lane) for lane in lanes]  # the lanes' own choices first
         auto = [lane for lane in lanes if lane.greedy_auto]
-        look = bool(auto) and (max(least) > 0 or self.policy.looks(b))  # rows the others pad are free to fill
-        if self.model_draft:  # drafting costs passes: the policy chooses k before anyone drafts
-            prior = self.drafter.cost_ratio * float(self.policy.cost(1 if 1 in self.policy.costs else b).seconds(1))
-            step = self.policy.step if self.policy.step is not None else prior
-            first = self.policy.first if self.policy.first is not None else 1.2 * step
+        if self.draft is not None:  # drafting costs passes: the policy chooses k before anyone drafts
+            ks = [0 if lane.greedy_auto else self._own_k(lane) for lane in lanes]  # the lanes' own choices first
+            look = bool(auto) and (max(ks) > 0 or self.policy.looks(b))
+            prior = self.draft.cost_ratio * float(self.policy.cost(1 if 1 in self.policy.costs else b).seconds(1))
             holds = [lane.lengths.held() for lane in auto]
-            k = self.policy.choose_k(b, max(least), holds, step, first) if look else 0
+            k = self.policy.choose_k(b, max(ks), holds, prior) if look else 0
             prober = int(np.argmax([h[0] for h in holds])) if self.policy.probing and look else -1
             for i, lane in enumerate(auto):  # a probe: the lane likeliest to hold drafts, the others rest
-                self._plan_model(lane, k if prober < 0 or i == prober else 0)
+                most = lane.req.max_new_tokens - (lane.end - lane.n) - 1
+                ks[lanes.index(lane)] = max(0, min(k if prober < 0 or i == prober else 0, most))
+            self._draft(lanes, ks)
             t = 1 + max(lane.tokens.shape[0] for lane in lanes)
         else:  # a lookup is free: look up first, then choose how much of it to verify
+            least = [0 if lane.greedy_auto else self._plan(lane) for lane in lanes]  # the lanes' own choices first
+            look = bool(auto) and (max(least) > 0 or self.policy.looks(b))  # rows the others pad are free to fill
             for lane in auto:
                 self._plan(lane, look)
             chains = [(lane.tokens.shape[0], lane.sizes.estimates(None, lane.tokens.shape[0])) for lane in auto] if look else []
