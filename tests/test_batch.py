@@ -427,7 +427,7 @@ def test_a_draft_graph_runs_once_a_step_for_the_whole_batch(bundles, name):
     batched = BatchSession(bundles(name), batch=4, max_queue=4)
     try:
         draft = batched.draft.engine
-        before = (draft.passes, batched.rounds)
+        before = (draft.runs, batched.rounds)
         gens: list = []
         with batched.hold():  # the four join at the same round
             threads = [threading.Thread(target=lambda p=p: gens.append(batched.stream(p, max_new_tokens=24, draft_len=3)))
@@ -439,7 +439,7 @@ def test_a_draft_graph_runs_once_a_step_for_the_whole_batch(bundles, name):
         for t in threads:
             t.join(timeout=30)
         outs = [collect(g) for g in gens]
-        passes, rounds = draft.passes - before[0], batched.rounds - before[1]
+        passes, rounds = draft.runs - before[0], batched.rounds - before[1]
         per_round = 3 if draft.wide_batches else 2 + 4  # a fused graph: two batched steps + four catch-ups
         joins = 4  # each lane's first catch-up (its prompt) runs as a pass of its own
         assert all(len(o) > 0 for o in outs)

@@ -61,7 +61,8 @@ class OrtBatchEngine:
         # ONNX Runtime's GroupQueryAttention (a fused graph) takes several sequences a pass only in
         # single steps: a pass of T > 1 rows carries one sequence
         self.wide_batches = spec.attention != "fused"
-        self.passes = 0
+        self.padding_floor = None  # its passes carry no padding lanes (TorchBatchEngine's do)
+        self.runs = 0  # passes begun (the Engine contract's counter)
         self.rows = 0  # rows computed, padding included
 
     @property
@@ -113,11 +114,11 @@ class OrtBatchEngine:
         if self.spec.logits_rows:
             binding.bind_cpu_input(LOGITS_ROWS, np.arange(t - rows, t, dtype=np.int64))
         binding.bind_output("logits", "cpu", 0, np.float32, [b, rows, width], logits.ctypes.data)
+        self.runs += 1
         try:
             self.session.run_with_iobinding(binding)
         except RuntimeError as e:
             raise BundleError(f"{self.name}: ONNX Runtime failed a pass of {b}x{t} tokens ({_reason(e)})") from None
-        self.passes += 1
         self.rows += b * t
         return logits
 

@@ -70,7 +70,7 @@ class TorchBatchEngine:
         self._host: dict[tuple[int, int], torch.Tensor] = {}
         self.stats = TorchEngineStats(device=str(self.device), capture=self.capture)
         self.wide_batches = True  # passes of any B x T (its fused attention is the eager reference)
-        self.passes = 0
+        self.runs = 0  # passes begun (the Engine contract's counter)
 
     @classmethod
     def from_bundle(cls, bundle, spec: ModelSpec, batch: int, device=None, threads: int | None = None,
@@ -121,7 +121,7 @@ class TorchBatchEngine:
         if lanes > b:  # padding lanes: token 0, written at the end of the buffer
             stage[first + b : first + lanes, 0] = self.max_seq - t
             stage[first + b : first + lanes, 1 : 1 + t] = 0
-        self.passes += 1
+        self.runs += 1
         self.stats.passes += 1
         with torch.no_grad():
             if self.device.type != "cpu":

@@ -78,6 +78,8 @@ class DraftChain:
 class TrtEngine:
     """One graph of a bundle as a TensorRT engine, on one CUDA stream of its own."""
 
+    features = None  # no hidden-state output: an EAGLE-3 bundle runs on ort or torch
+
     def __init__(
         self, plan_path: Path, spec: ModelSpec, max_seq: int, entry: dict, *,
         length_bucket: int = DEFAULT_LENGTH_BUCKET, cuda_graphs: bool = True, max_graphs: int = 64, modules=None,

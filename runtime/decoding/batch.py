@@ -40,6 +40,7 @@ from specdeploy.core.manifest import Bundle, load_bundle
 from specdeploy.runtime.backends import make_batch_engine
 from specdeploy.runtime.backends.ort import settle_thread_pool, thread_pool_choice
 from specdeploy.runtime.decoding.accept import accept_chain, accept_path
+from specdeploy.runtime.decoding.admission import POLL_SECONDS, Cancelled, Overloaded, QueueTimeout
 from specdeploy.runtime.decoding.batch_draft import BatchDraft
 from specdeploy.runtime.decoding.drafters import Proposal, drafter_class, make_drafter
 from specdeploy.runtime.decoding.drafters.model import static_cost_ratio
@@ -54,20 +55,6 @@ from specdeploy.runtime.decoding.tokenizer import Tokenizer
 from specdeploy.runtime.decoding.tree import DraftTree
 
 log = logging.getLogger("specdeploy.runtime")
-
-POLL_SECONDS = 0.05  # how often a waiting request looks at its cancel event
-
-
-class Overloaded(SpecdeployError):
-    """Every slot is busy and the wait queue is full."""
-
-
-class QueueTimeout(Overloaded):
-    """No slot came free within `wait_seconds`."""
-
-
-class Cancelled(SpecdeployError):
-    """The request was cancelled (its client left, or the scheduler shut down) while it waited."""
 
 
 class BatchPolicy:
@@ -281,7 +268,7 @@ class BatchSession(Prompts):
         self.draft: BatchDraft | None = None  # a draft graph: one batched pass per draft step (batch_draft.py)
         if kind != "none":
             cls = drafter_class(kind)
-            if getattr(cls, "engine", "graph") is None:
+            if cls.model_free:
                 self.drafter = make_drafter(b, "ort", threads)
             elif kind in ("model", "self"):
                 engine = make_batch_engine(backend, b, batch, threads, device, role="draft")
@@ -680,9 +667,10 @@ class BatchSession(Prompts):
         for lane, proposal in zip(lanes, proposals):
             lane.tree, lane.proposal = None, proposal
             lane.tokens = proposal.tokens if proposal is not None else EMPTY
-        timed = next((p for p in proposals if p is not None), None)
-        if timed is not None:
-            self.policy.drafted(timed, len(lanes))
+        made = [p for p in proposals if p is not None]
+        if made:  # the batch's passes: as many as its longest-drafting lane took part in
+            self.policy.drafted(Proposal(EMPTY, None, made[0].seconds, max(p.passes for p in made),
+                                         max(p.caught_up for p in made), made[0].first_seconds), len(lanes))
 
     def _round(self, lanes: list[Lane]) -> None:
         started = time.perf_counter()
@@ -764,7 +752,7 @@ class BatchSession(Prompts):
     def _may_pad(self, b: int) -> bool:
         """Whether the slots after the first b may take an engine's padding lanes (TorchBatchEngine):
         none holds K/V at or past the engine's padding floor."""
-        floor = getattr(self.target, "padding_floor", None)
+        floor = self.target.padding_floor
         if floor is None:
             return False
         lengths = [lane.kv_length for lane in self._lanes if lane.slot >= b]

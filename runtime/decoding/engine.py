@@ -26,6 +26,9 @@ class Engine(Protocol):
     runs: int  # passes begun, counted before each one runs: the prompt cache and a model
     # drafter trust what the KV buffers hold only while this is unchanged since they wrote it
     chains: bool  # offers draft_chain / verify_chain / chain_seconds (below)
+    # [max_seq, width] the target's hidden states at their positions, written by each pass (the
+    # target of an EAGLE-3 bundle: what its head reads); None for every other graph
+    features: np.ndarray | None
     trees: bool  # verifies token trees: forward(..., tree=) and move_kv (below)
 
     def forward(self, token_ids: np.ndarray, start: int, last: bool = False) -> np.ndarray:

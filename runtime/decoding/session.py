@@ -270,7 +270,7 @@ class Session(Prompts):
         self.tokenizer = Tokenizer(b.file(b.tokenizer.file), b.tokenizer)
         self.backend = choice.name
         self.choice = choice
-        allowed = getattr(drafter_class(b.draft_kind), "backends", None)  # a drafter that runs on some backends only
+        allowed = drafter_class(b.draft_kind).backends  # a drafter that runs on some backends only
         if allowed is not None and choice.name not in allowed:
             raise InputError(f"{b.path}: its {b.draft_kind} draft runs on --backend {' or '.join(allowed)} for now, "
                              f"not {choice.name}")
@@ -447,9 +447,8 @@ class Session(Prompts):
 
 def _attach(drafter, target) -> None:
     """Give a drafter that reads the target's state (an EAGLE-3 head) its target engine."""
-    attach = getattr(drafter, "attach", None)
-    if attach is not None:
-        attach(target)
+    if drafter is not None and drafter.reads_target:
+        drafter.attach(target)
 
 
 def _as_ids(values) -> tuple[int, ...]:

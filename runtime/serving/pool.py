@@ -16,11 +16,9 @@ import weakref
 from pathlib import Path
 from typing import Callable
 
-from specdeploy.runtime.decoding.batch import Cancelled, Overloaded, QueueTimeout
+from specdeploy.runtime.decoding.admission import POLL_SECONDS, Cancelled, Overloaded, QueueTimeout
 from specdeploy.runtime.decoding.request import Request
 from specdeploy.runtime.decoding.session import Generation, Result, Session
-
-POLL_SECONDS = 0.05  # how often a waiting request looks at its cancel event
 
 
 class SessionPool:

@@ -12,8 +12,11 @@ adding it there, a class and a line here (and a recipe on the export side). The 
   verifier needs as the probs. The proposal also says what it cost (seconds, passes).
 - `fused_with(target)`: whether `propose_and_verify` can run the whole round on the device
   with one host synchronisation; it then returns the round's `Proposal` and `Checked`.
-- optional, `attach(target)`: a drafter that reads the target engine's state (an EAGLE-3 head
-  reads its hidden states) is given it once the session has made it, and again in a fork;
+- `reads_target`, with `attach(target)`: a drafter that reads the target engine's state (an
+  EAGLE-3 head reads its hidden states) is given it once the session has made it, and again in
+  a fork;
+- `model_free`: no graph of its own (a lookup on the host); `backends`: the backends it runs on
+  (None: every one);
 - optional, a drafter that proposes token trees (runtime/tree.py): `propose_tree(ids, budget,
   max_depth) -> DraftTree`; `remember(ids)` when a generation ends (what it said, for later
   requests); `private`, set per request (draw only on the request's own text, keep none of it).
@@ -41,6 +44,9 @@ class Drafter(Protocol):
     kind: ClassVar[str]  # the manifest's draft kind
     proposes_trees: ClassVar[bool]  # offers propose_tree(ids, budget, max_depth) -> DraftTree
     keeps_history: ClassVar[bool]  # offers remember(ids) when a generation ends, and `private` per request
+    model_free: ClassVar[bool]  # no graph: `engine` is None, a lookup on the host
+    reads_target: ClassVar[bool]  # offers attach(target): it reads the target engine's state
+    backends: ClassVar[tuple[str, ...] | None]  # the backends it runs on (None: every one)
     engine: Engine | None  # its graph's engine (None: model-free)
     cost_ratio: float  # a draft step over a target pass before anything is measured
 
@@ -75,7 +81,10 @@ class NoDraft:
     """Kind `none`: the bundle has no draft; every round is a plain step."""
 
     kind = "none"
-    proposes_trees = keeps_history = False
+    proposes_trees = keeps_history = reads_target = False
+    model_free = True
+    backends = None
+    engine = None
 
     @classmethod
     def from_bundle(cls, bundle: Bundle, backend: BackendChoice | str, threads: int | None) -> None:

@@ -44,7 +44,8 @@ def read_vocab_map(bundle: Bundle) -> np.ndarray:
 
 class Eagle3Drafter:
     kind = "eagle3"
-    proposes_trees = keeps_history = False
+    proposes_trees = keeps_history = model_free = False
+    reads_target = True
     backends = ("ort", "torch")  # where its engines feed it the target's states (the ort one: on the CPU)
 
     def __init__(self, engine: Engine, to_target: np.ndarray, vocab_size: int, chunk: int, cost_ratio: float = 0.0):
@@ -71,7 +72,7 @@ class Eagle3Drafter:
 
     def attach(self, target: Engine) -> None:
         """The target whose states the head reads (its engine's `features`)."""
-        if getattr(target, "features", None) is None:
+        if target.features is None:
             raise BundleError(f"{target.name}: returns no hidden states for an EAGLE-3 head; re-export the bundle")
         self.target = target
         self.length = 0

@@ -19,7 +19,8 @@ class ModelDrafter:
     the draft's own probability for the token it is about to propose falls below it."""
 
     kind = "model"
-    proposes_trees = keeps_history = False
+    proposes_trees = keeps_history = reads_target = model_free = False
+    backends = None
 
     def __init__(self, engine: Engine, cost_ratio: float = 0.0):
         self.engine = engine

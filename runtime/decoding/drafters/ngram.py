@@ -17,7 +17,9 @@ class HostLookup:
     """What every model-free drafter shares: no graph, no draft passes, no fused round."""
 
     kind = "lookup"
-    proposes_trees = keeps_history = False
+    proposes_trees = keeps_history = reads_target = False
+    model_free = True
+    backends = None
     engine = None
     cost_ratio = 0.0  # a lookup on the host costs next to nothing beside a pass
 
