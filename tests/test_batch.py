@@ -447,3 +447,28 @@ def test_a_draft_graph_runs_once_a_step_for_the_whole_batch(bundles, name):
         assert passes < 3 * 4 * rounds / 1.5  # what one fork per lane would run, by a clear margin
     finally:
         batched.close()
+
+
+def test_a_fused_draft_graph_exported_before_batched_steps_drafts_one_sequence_a_pass(bundles):
+    """A fused graph whose manifest does not say `fused_batches` (exported before its attention
+    read each sequence's length) is never given two sequences in one pass: every lane drafts
+    alone, and each request is still its own alone."""
+    name = "llama-self-int8"
+    work = jobs(8)
+    want = solo(bundles(name), work)
+    batched = BatchSession(bundles(name), batch=4, max_queue=32)
+    assert batched.draft.engine.batched_steps  # a bundle of today's export
+    batched.draft.engine.batched_steps = False  # what an older bundle's manifest declares
+    widths = []
+    forward = batched.draft.engine.forward
+
+    def recording(tokens, starts, **kw):
+        widths.append(tokens.shape[0])
+        return forward(tokens, starts, **kw)
+
+    batched.draft.engine.forward = recording
+    try:
+        assert concurrently(batched, work) == want
+        assert widths and max(widths) == 1
+    finally:
+        batched.close()

@@ -176,17 +176,19 @@ class BatchPolicy:
         if p.first_seconds and p.caught_up <= self.max_draft + 1:
             self.first[lanes] = _decay(self.first.get(lanes), p.first_seconds)
 
-    def update(self, lanes: int, t: int, seconds: float, drafted: bool, accepted: int) -> None:
-        """After a round of `lanes` lanes at width `t` that took `seconds`; `accepted`: the draft
-        tokens its lanes kept. A round that drafted counts as held (Probes) only if it paid: the
-        tokens it committed per lane beat a plain pass by the width's measured cost. In a batch,
-        some lane's draft holds in most rounds, and probing on every such round would keep a wide
-        pass running where it does not pay."""
+    def update(self, lanes: int, t: int, seconds: float, drafted: bool, accepted: int,
+               draft_seconds: float = 0.0) -> None:
+        """After a round of `lanes` lanes at width `t` whose verify pass took `seconds` and whose
+        draft passes `draft_seconds`; `accepted`: the draft tokens its lanes kept. A round that
+        drafted counts as held (Probes) only if it paid: the tokens it committed per lane beat a
+        plain pass by the width's measured cost and the draft's passes. In a batch, some lane's
+        draft holds in most rounds, and probing on every such round would keep a wide pass
+        running where it does not pay."""
         cost = self.cost(lanes)
         cost.add(t, seconds)
         if drafted:
             plain, wide = cost.seconds(np.array([1, t]))
-            self.probes.settle((lanes + accepted) * plain >= self.PAYS * wide * lanes)
+            self.probes.settle((lanes + accepted) * plain >= self.PAYS * (wide + draft_seconds) * lanes)
 
 
 def _decay(mean: float | None, value: float) -> float:
@@ -737,7 +739,8 @@ class BatchSession(Prompts):
                 finished.append(lane)
         for lane in finished:  # after every lane has committed: a slot moves with all of its K/V
             self._drop(lane, dropped=False)
-        self.policy.update(b, t, seconds, drafted, accepted)
+        draft_seconds = max((lane.proposal.seconds for lane in lanes if lane.proposal is not None), default=0.0)
+        self.policy.update(b, t, seconds, drafted, accepted, draft_seconds)
         timing = self.timing
         timing["round_seconds"] += time.perf_counter() - started
         timing["pass_seconds"] += seconds

@@ -130,7 +130,9 @@ class BatchDraft:
         # whose rows are equal from one pass shape to another only up to rounding: a lane's
         # catch-up is then exactly the pass it would run alone.
         alone = {i for i, x in feed.items() if x.shape[0] > self.catch_up}
-        if not self.engine.wide_batches and len(feed) > 1 and any(x.shape[0] > 1 for x in feed.values()):
+        several = len(feed) > 1
+        if several and (not self.engine.batched_steps or
+                        not self.engine.wide_batches and any(x.shape[0] > 1 for x in feed.values())):
             alone = set(feed)
         logits = {i: self._alone(i, feed[i]) for i in sorted(alone)}
         feed = {i: x for i, x in feed.items() if i not in alone}
