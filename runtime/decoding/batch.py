@@ -134,7 +134,8 @@ class BatchPolicy:
     def choose_k(self, lanes: int, least: int, holds: list[np.ndarray], prior: float) -> int:
         """A model draft's k for the lanes the policy drafts for (the batch runs k draft passes,
         every lane in each, before the verify pass: the first as measured at this batch size,
-        each later one a step; before any is measured, a step costs `prior` seconds): `holds`
+        each later one a step; before any is measured, a step costs `prior` seconds; each lane
+        is charged them, see below): `holds`
         each lane's chance that draft position 1..max holds given the ones before
         (DraftLength.held); `least` the k the lanes that choose for themselves draft anyway
         (their passes are spent either way). Plain steps (k = 0) unless a k beats them by PAYS."""
@@ -153,8 +154,13 @@ class BatchPolicy:
         for held in holds:
             gained = np.concatenate([[0.0], np.cumsum(np.cumprod(held))])
             tokens += 1.0 + gained[ks]
-        drafting = np.where(ks > 0, first + (ks - 1) * step, 0.0)  # the batch's draft passes
-        rates = tokens / np.maximum(drafting + cost.seconds(ks + 1), 1e-9)
+        # Priced as if each lane drafted alone, though the passes are the batch's: a round that
+        # drafts after rounds of plain steps first catches every lane up on what it skipped, in
+        # passes of their own, a price the measured round costs leave out. Priced at the batch's
+        # passes alone, fp32 + its int8 copy drafted at 4 streams where it did not pay (time to
+        # first token p50 267-307 ms against 132-151; results/batching/README.md).
+        drafting = np.where(ks > 0, first + (ks - 1) * step, 0.0)
+        rates = tokens / np.maximum(len(holds) * drafting + cost.seconds(ks + 1), 1e-9)
         best = int(rates.argmax())
         if least == 0 and best > 0 and rates[best] < self.PAYS * rates[0]:
             best = 0
