@@ -121,9 +121,10 @@ class BatchDraft:
 
     def _pass(self, feed: dict[int, np.ndarray]) -> dict[int, np.ndarray]:
         """One pass over the slots from the first to the last in `feed`: slot i's tokens
-        `feed[i]` at its length; a slot between them not in `feed` gets one row past its length. Rows are padded after each slot's own, at
-        positions past its length (never trusted), or before them, recomputing the tokens it
-        holds where there is no room after. -> each fed slot's logits at its last token."""
+        `feed[i]` at its length; a slot between them not in `feed` gets one row past its
+        length. Rows are padded after each slot's own, at positions past its length (never
+        trusted), or before them, recomputing the tokens it holds where there is no room after.
+        -> each fed slot's logits at its last token."""
         # A catch-up longer than a round's (a joining lane's prompt, or the tokens of rounds it
         # rested through) runs alone, as one pass of its own: the others' rows are not padded to
         # it. So does every catch-up where the engine batches single steps only (fused attention),
@@ -167,7 +168,6 @@ class BatchDraft:
         rows = self.engine.forward(tokens, starts, first=first, last=not whole, pad=False)
         logits.update({i: rows[i - first, at_row[i] if whole else 0] for i in feed})
         return logits
-
 
     def _alone(self, slot: int, tokens: np.ndarray) -> np.ndarray:
         """The logits of a pass of slot `slot` alone at its length, at its last token."""
