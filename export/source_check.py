@@ -183,17 +183,25 @@ def check_folder(folder: Path, cfg) -> None:
     found = safetensors_shapes(folder)
     check_layers(found, _HF_LAYER, cfg.num_hidden_layers, str(folder), "num_hidden_layers")
     expected = expected_tensors(cfg)
-    prefix = _base_prefix(cfg)
+    model_class = _model_class(cfg)
+    # What transformers itself drops without a word and rightly so: a tied head saved beside the
+    # embedding it equals, the rotary frequencies older checkpoints saved, the class's own list.
+    ignored = [re.compile(p) for p in (getattr(model_class, "_keys_to_ignore_on_load_unexpected", None) or [])]
+    ignored.append(re.compile(r"rotary_emb\.inv_freq$"))
+    if getattr(cfg, "tie_word_embeddings", False):
+        ignored.append(re.compile(r"(^|\.)lm_head\.weight$"))
+    found = {n: shape for n, shape in found.items() if not any(p.search(n) for p in ignored)}
+    prefix = getattr(model_class, "base_model_prefix", "model")
     # A checkpoint saved from the bare decoder names its weights without the causal LM's prefix.
     bare = prefix and not any(n.startswith(prefix + ".") for n in found)
     compare(expected, found, str(folder), (lambda n: n[len(prefix) + 1:] if n.startswith(prefix + ".") else n)
             if bare else (lambda n: n))
 
 
-def _base_prefix(cfg) -> str:
+def _model_class(cfg):
     from transformers import AutoModelForCausalLM
 
-    return getattr(AutoModelForCausalLM._model_mapping[type(cfg)], "base_model_prefix", "model")
+    return AutoModelForCausalLM._model_mapping[type(cfg)]
 
 
 def read_gguf(path: Path):
