@@ -232,3 +232,15 @@ def test_fuzzed_gguf_headers_load_as_the_file_or_are_one_line(tmp_path_factory, 
     # Whatever loads is the file's model: every weight finite, the layer count the tensors hold.
     assert source.config.num_hidden_layers == 3
     assert all(bool(torch.isfinite(p).all()) for p in source.model.parameters())
+
+
+def test_what_transformers_rightly_drops_is_not_refused(tmp_path):
+    """A tied head saved beside the embedding it equals, and the rotary frequencies older
+    checkpoints saved, load as before: they are not weights of another model."""
+    path = tmp_path / "tied"
+    tiny.make_model(path, "llama", layers=2, tie_word_embeddings=True)
+    tensors = load_file(path / "model.safetensors")
+    tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].clone()
+    tensors["model.rotary_emb.inv_freq"] = torch.ones(8)
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    assert load_source(path).config.num_hidden_layers == 2
