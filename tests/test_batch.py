@@ -55,7 +55,7 @@ def test_every_request_in_a_batch_equals_it_alone(bundles, name):
     and finishing times, requests joining as others leave: token for token what Session gives.
     Lookup drafts (ngram, suffix) and draft graphs (a self-draft, a separate model with a
     sliding window, the target drafting for itself: every draft accepted; its own int8 copy, a
-    fused graph whose catch-ups run alone and whose steps are batched)."""
+    fused graph), each lane's draft in its own slot of the batch's draft engine."""
     work = jobs()
     want = solo(bundles(name), work)
     batched = BatchSession(bundles(name), batch=4, max_queue=32)
@@ -416,59 +416,5 @@ def test_a_burst_gets_every_place_the_batch_and_its_queue_offer(bundles):
             t.join(timeout=30)
         assert len(gens) == 5 and all(len(collect(g)) > 0 for g in gens)
         assert batched.waiting == 0
-    finally:
-        batched.close()
-
-
-@pytest.mark.parametrize("name", ["qwen2-self", "llama-self-int8"])
-def test_a_draft_graph_runs_once_a_step_for_the_whole_batch(bundles, name):
-    """Four lanes drafting 3 tokens a round together: one draft pass per draft step for all of
-    them (a fused graph: each lane's catch-up alone, its two steps batched), not 3 per lane."""
-    batched = BatchSession(bundles(name), batch=4, max_queue=4)
-    try:
-        draft = batched.draft.engine
-        before = (draft.runs, batched.rounds)
-        gens: list = []
-        with batched.hold():  # the four join at the same round
-            threads = [threading.Thread(target=lambda p=p: gens.append(batched.stream(p, max_new_tokens=24, draft_len=3)))
-                       for p in tiny.PROMPTS[:4]]
-            for t in threads:
-                t.start()
-            while batched.waiting < 4:
-                time.sleep(0.001)
-        for t in threads:
-            t.join(timeout=30)
-        outs = [collect(g) for g in gens]
-        passes, rounds = draft.runs - before[0], batched.rounds - before[1]
-        per_round = 3 if draft.wide_batches else 2 + 4  # a fused graph: two batched steps + four catch-ups
-        joins = 4  # each lane's first catch-up (its prompt) runs as a pass of its own
-        assert all(len(o) > 0 for o in outs)
-        assert passes <= per_round * rounds + joins, (passes, rounds)
-        assert passes < 3 * 4 * rounds / 1.5  # what one fork per lane would run, by a clear margin
-    finally:
-        batched.close()
-
-
-def test_a_fused_draft_graph_exported_before_batched_steps_drafts_one_sequence_a_pass(bundles):
-    """A fused graph whose manifest does not say `fused_batches` (exported before its attention
-    read each sequence's length) is never given two sequences in one pass: every lane drafts
-    alone, and each request is still its own alone."""
-    name = "llama-self-int8"
-    work = jobs(8)
-    want = solo(bundles(name), work)
-    batched = BatchSession(bundles(name), batch=4, max_queue=32)
-    assert batched.draft.engine.batched_steps  # a bundle of today's export
-    batched.draft.engine.batched_steps = False  # what an older bundle's manifest declares
-    widths = []
-    forward = batched.draft.engine.forward
-
-    def recording(tokens, starts, **kw):
-        widths.append(tokens.shape[0])
-        return forward(tokens, starts, **kw)
-
-    batched.draft.engine.forward = recording
-    try:
-        assert concurrently(batched, work) == want
-        assert widths and max(widths) == 1
     finally:
         batched.close()

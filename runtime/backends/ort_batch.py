@@ -58,11 +58,6 @@ class OrtBatchEngine:
         self.slot_bytes = self.kv[0][0].nbytes
         self._bindings: dict[tuple[int, int], ort.IOBinding] = {}  # (first slot, B) -> KV bound once
         self._logits = np.zeros((max_batch, 1, spec.logits_width), np.float32)  # grown on demand (T rows)
-        # ONNX Runtime's GroupQueryAttention (a fused graph) takes several sequences a pass only in
-        # single steps (a pass of T > 1 rows carries one sequence), and only in a graph that reads
-        # each sequence's length from its write index (`fused_batches`; older ones: one a pass)
-        self.wide_batches = spec.attention != "fused"
-        self.batched_steps = self.wide_batches or spec.fused_batches
         self.padding_floor = None  # its passes carry no padding lanes (TorchBatchEngine's do)
         self.runs = 0  # passes begun (the Engine contract's counter)
         self.rows = 0  # rows computed, padding included

@@ -69,7 +69,6 @@ class TorchBatchEngine:
         self._pool = torch.cuda.graph_pool_handle() if self.capture else None
         self._host: dict[tuple[int, int], torch.Tensor] = {}
         self.stats = TorchEngineStats(device=str(self.device), capture=self.capture)
-        self.wide_batches = self.batched_steps = True  # passes of any B x T (fused attention runs eager)
         self.runs = 0  # passes begun (the Engine contract's counter)
 
     @classmethod

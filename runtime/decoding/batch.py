@@ -132,13 +132,12 @@ class BatchPolicy:
         return int(ts[best])
 
     def choose_k(self, lanes: int, least: int, holds: list[np.ndarray], prior: float) -> int:
-        """A model draft's k for the lanes the policy drafts for (the batch runs k draft passes,
-        every lane in each, before the verify pass: the first as measured at this batch size,
-        each later one a step; before any is measured, a step costs `prior` seconds; each lane
-        is charged them, see below): `holds`
-        each lane's chance that draft position 1..max holds given the ones before
-        (DraftLength.held); `least` the k the lanes that choose for themselves draft anyway
-        (their passes are spent either way). Plain steps (k = 0) unless a k beats them by PAYS."""
+        """A model draft's k for the lanes the policy drafts for (each runs k draft passes of its
+        own before the verify pass: the first as measured at this batch size, each later one a
+        step; before any is measured, a step costs `prior` seconds): `holds` each lane's chance
+        that draft position 1..max holds given the ones before (DraftLength.held); `least` the k
+        the lanes that choose for themselves draft anyway (their passes are spent either way).
+        Plain steps (k = 0) unless a k beats them by PAYS."""
         step = self.step.get(lanes, prior)
         first = self.first.get(lanes, 1.2 * step)
         probe, self._probe = self._probe, False
@@ -154,12 +153,7 @@ class BatchPolicy:
         for held in holds:
             gained = np.concatenate([[0.0], np.cumsum(np.cumprod(held))])
             tokens += 1.0 + gained[ks]
-        # Priced as if each lane drafted alone, though the passes are the batch's: a round that
-        # drafts after rounds of plain steps first catches every lane up on what it skipped, in
-        # passes of their own, a price the measured round costs leave out. Priced at the batch's
-        # passes alone, fp32 + its int8 copy drafted at 4 streams where it did not pay (time to
-        # first token p50 267-307 ms against 132-151; results/batching/README.md).
-        drafting = np.where(ks > 0, first + (ks - 1) * step, 0.0)
+        drafting = np.where(ks > 0, first + (ks - 1) * step, 0.0)  # one lane's draft passes
         rates = tokens / np.maximum(len(holds) * drafting + cost.seconds(ks + 1), 1e-9)
         best = int(rates.argmax())
         if least == 0 and best > 0 and rates[best] < self.PAYS * rates[0]:
@@ -273,7 +267,7 @@ class BatchSession(Prompts):
         self.target = make_batch_engine(backend, b, batch, threads, device)
         kind = b.draft_kind
         self.drafter = None  # a model-free lookup: forked per lane, run on the host
-        self.draft: BatchDraft | None = None  # a draft graph: one batched pass per draft step (batch_draft.py)
+        self.draft: BatchDraft | None = None  # a draft graph: its KV slots follow the target's (batch_draft.py)
         if kind != "none":
             cls = drafter_class(kind)
             if cls.model_free:
@@ -281,7 +275,7 @@ class BatchSession(Prompts):
             elif kind in ("model", "self"):
                 engine = make_batch_engine(backend, b, batch, threads, device, role="draft")
                 ratio = static_cost_ratio(b, b.model("draft"), b.model("target"))
-                self.draft = BatchDraft(engine, ratio, batch, catch_up=b.max_draft + 1)
+                self.draft = BatchDraft(engine, ratio, batch)
             else:
                 log.warning(f"{b.path}: its {kind} draft reads the target's hidden states, which batched passes do "
                             "not return yet; batched rounds decode without it (plain steps, the same output)")
