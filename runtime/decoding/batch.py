@@ -165,7 +165,7 @@ class BatchPolicy:
         return int(ks[best])
 
     def drafted(self, proposal: Proposal, lanes: int) -> None:
-        """A round's batched draft passes over `lanes` lanes, timed: what choose_k prices them by.
+        """A lane's draft passes in a round of `lanes` lanes, timed: what choose_k prices them by.
         The first pass feeds the tokens the draft has not seen (after a round, the ones it
         committed) and is priced on its own, as DraftLength prices it; a first pass that caught up
         on a whole prompt says nothing of a round's."""
@@ -669,10 +669,9 @@ class BatchSession(Prompts):
         for lane, proposal in zip(lanes, proposals):
             lane.tree, lane.proposal = None, proposal
             lane.tokens = proposal.tokens if proposal is not None else EMPTY
-        made = [p for p in proposals if p is not None]
-        if made:  # the batch's passes: as many as its longest-drafting lane took part in
-            self.policy.drafted(Proposal(EMPTY, None, made[0].seconds, max(p.passes for p in made),
-                                         max(p.caught_up for p in made), made[0].first_seconds), len(lanes))
+        for proposal in proposals:  # each lane's own passes, timed
+            if proposal is not None:
+                self.policy.drafted(proposal, len(lanes))
 
     def _round(self, lanes: list[Lane]) -> None:
         started = time.perf_counter()

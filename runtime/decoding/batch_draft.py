@@ -6,7 +6,7 @@ Per slot the draft keeps what `ModelDrafter` keeps for one sequence: the tokens 
 slot holds (`fed`, a prefix of the lane's text once rolled back) and their count. Each lane's
 passes feed exactly what `ModelDrafter.propose` feeds alone (its catch-up, then each draft but
 the last), and it samples from its own rows with its own generator in the same order, so its
-proposals are the ones it would draft alone. Each pass carries one lane (see `_pass`): the
+proposals are the ones it would draft alone. Each pass carries one lane (see `_alone`): the
 rounds' draft steps are not yet shared by the lanes.
 """
 from __future__ import annotations
@@ -58,8 +58,8 @@ class BatchDraft:
 
     def propose(self, lanes: list, ks: list[int], min_confidence: list[float]) -> list[Proposal | None]:
         """Drafts for the lanes in slots 0..len(lanes)-1: lane i drafts up to ks[i] tokens
-        (0: none) -> each drafting lane's Proposal (its costs are the batch's passes), None for
-        the others. `lanes[i]` has `ids`, `end`, `params` and `rng`.
+        (0: none) -> each drafting lane's Proposal (timed over its own passes), None for the
+        others. `lanes[i]` has `ids`, `end`, `params` and `rng`.
 
         Each lane's passes feed exactly what ModelDrafter.propose feeds alone (its catch-up, then
         each draft but the last), so its slot holds what it would hold alone and its next
@@ -67,7 +67,6 @@ class BatchDraft:
         drafting = [i for i, k in enumerate(ks) if k > 0]
         if not drafting:
             return [None] * len(lanes)
-        t0 = time.perf_counter()
         for i in drafting:
             self._rollback(i, lanes[i].ids[: lanes[i].end])
         feed = {i: lanes[i].ids[int(self.length[i]) : lanes[i].end] for i in drafting}
@@ -76,16 +75,20 @@ class BatchDraft:
         probs = {i: None if lanes[i].params.greedy else np.empty((ks[i], self.engine.vocab_size)) for i in drafting}
         count = dict.fromkeys(drafting, 0)
         passes = dict.fromkeys(drafting, 0)
-        first_seconds, step = 0.0, 0
+        seconds = dict.fromkeys(drafting, 0.0)
+        first_seconds = dict.fromkeys(drafting, 0.0)
+        step = 0
         while feed:
-            rows = self._pass(feed)
-            if step == 0:
-                first_seconds = time.perf_counter() - t0
             following = {}
-            for i, fed in feed.items():
+            for i, fed in sorted(feed.items()):
+                t0 = time.perf_counter()
+                logits = self._alone(i, fed)
+                seconds[i] += time.perf_counter() - t0
+                if step == 0:
+                    first_seconds[i] = seconds[i]
                 self._feed(i, fed)
                 passes[i] += 1
-                lane, logits = lanes[i], rows[i]
+                lane = lanes[i]
                 if lane.params.greedy:
                     token = int(logits.argmax())
                     confidence = _softmax_max(logits) if min_confidence[i] else 1.0
@@ -100,17 +103,15 @@ class BatchDraft:
                 if count[i] < ks[i]:
                     following[i] = tokens[i][step : step + 1]
             feed, step = following, step + 1
-        seconds = time.perf_counter() - t0
         out: list[Proposal | None] = [None] * len(lanes)
         for i in drafting:
             c = count[i]
-            out[i] = Proposal(tokens[i][:c], None if probs[i] is None else probs[i][:c], seconds, passes[i],
-                              caught_up[i], first_seconds)
+            out[i] = Proposal(tokens[i][:c], None if probs[i] is None else probs[i][:c], seconds[i], passes[i],
+                              caught_up[i], first_seconds[i])
         return out
 
-    def _pass(self, feed: dict[int, np.ndarray]) -> dict[int, np.ndarray]:
-        """Slot i's tokens `feed[i]` at its length, each slot in a pass of its own -> each fed
-        slot's logits at its last token.
+    def _alone(self, slot: int, tokens: np.ndarray) -> np.ndarray:
+        """The logits of a pass of slot `slot` alone at its length, at its last token.
 
         One sequence a pass: several in one pass of the batched draft graph gave a sampled lane
         other tokens than alone in some batches (tests/test_batch.py's equality test, with a
@@ -118,10 +119,6 @@ class BatchDraft:
         rows' reductions run over the pass's longest window, so their rounding may depend on the
         other sequences). Until a batched pass is shown to give every row its rows alone, the
         draft's passes stay one lane's, as its own engine's were."""
-        return {i: self._alone(i, tokens) for i, tokens in sorted(feed.items())}
-
-    def _alone(self, slot: int, tokens: np.ndarray) -> np.ndarray:
-        """The logits of a pass of slot `slot` alone at its length, at its last token."""
         start = np.array([self.length[slot]], dtype=np.int64)
         # a copy: the engine's logits buffer is the next pass's output
         return self.engine.forward(tokens[None], start, first=slot, last=True, pad=False)[0, -1].copy()
