@@ -16,8 +16,9 @@ parameters, seed, stop strings, draft length and drafter state, and its output i
   policy (BatchPolicy) chooses that; a sampled lane's draft lengths follow its own policy,
   exactly as alone, so a seeded request replays whatever else is in the batch.
 
-Drafting: model-free drafters (ngram, suffix) propose per lane on the host; the batch's
-verify pass is T = 1 + the longest draft verified. BatchPolicy prices a pass of T tokens for
+Drafting: model-free drafters (ngram, suffix) propose per lane on the host; a draft graph
+(model, self) drafts each lane in its own slot of the batch's draft engine (batch_draft.py);
+the batch's verify pass is T = 1 + the longest draft verified. BatchPolicy prices a pass of T tokens for
 B lanes from passes measured at that B, and turns speculation down, or off, as B grows.
 """
 from __future__ import annotations
@@ -204,7 +205,7 @@ class Lane:
     n: int  # prompt tokens
     params: SamplingParams
     rng: np.random.Generator
-    drafter: object | None  # a fork of the bundle's model-free drafter; None: plain steps
+    drafter: object | None  # a fork of the bundle's model-free drafter, or the batch's BatchDraft; None: plain
     sizes: TreeSize | None  # per-rank acceptance (greedy auto), or a sampled lane's own policy
     fixed: int | None  # a pinned draft length
     lengths: DraftLength | None = None  # a model draft's: its own policy (sampled), its acceptance (greedy)
