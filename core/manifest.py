@@ -135,9 +135,6 @@ class ModelSpec:
     # "exact": verify rows equal single steps bit for bit; "fused": ONNX Runtime's fused
     # attention (GroupQueryAttention), rows equal up to rounding (docs/backends.md, "Exact and fused graphs")
     attention: str = "exact"
-    # a fused graph whose GroupQueryAttention reads each sequence's length from its write index,
-    # so a single step may carry several sequences (graphs exported before it: one a pass)
-    fused_batches: bool = False
 
     @property
     def logits_rows(self) -> bool:
@@ -191,7 +188,6 @@ class ModelSpec:
             parity=_take(d, "parity", dict, where, optional=True),
             trt=trt,
             attention=attention,
-            fused_batches=_take(d, "fused_batches", bool, where, optional=True) or False,
             **ints,
         )
 
@@ -205,8 +201,6 @@ class ModelSpec:
             "sliding_window": self.sliding_window, "parameters": self.parameters, "inputs": self.inputs,
             "outputs": self.outputs, "kv_aliases": self.kv_aliases, "attention": self.attention,
         }
-        if self.fused_batches:
-            d["fused_batches"] = True
         for key in ("head_vocab", "draft_vocab", "quantization", "parity", "trt"):
             if getattr(self, key) is not None:
                 d[key] = getattr(self, key)

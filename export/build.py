@@ -224,8 +224,7 @@ def _export_model(
     standard = device == "tensorrt"  # standard ONNX ops only (TensorRT's parser reads no contrib op)
     if (quantized and graph.arch.contrib_ops and not standard) or fused:  # ONNX Runtime's fused contrib ops
         graph.use_contrib_ops(max_seq, fused=fused)
-    spec = model_entry(graph, source, role, graph_file, dtype, max_seq).replace(
-        attention=attention, fused_batches=attention == "fused")
+    spec = model_entry(graph, source, role, graph_file, dtype, max_seq).replace(attention=attention)
     # constant folding: TensorRT's parser wants constant axes and shapes (skipped for ONNX Runtime's
     # quantized graphs, on which it takes minutes and which ONNX Runtime folds at load)
     fold = not (graph.contrib_ops or (quantized and not standard))
