@@ -1,0 +1,197 @@
+"""Where a decoding step's time goes as the context grows: ONNX Runtime's profiler, per operator.
+
+    python benchmarks/attention_profile.py BUNDLE [--lengths 256,1024,3072,6144] [--steps N]
+        [--threads N] [--json OUT]
+
+The bundle's target graph runs bare T = 1 steps (a single sequence, the runtime's session
+options, every KV buffer bound in place as the runtime binds it) with the write position at
+L - 1 for each context length L. Per length: the wall time of a step (median, profiler off),
+then, profiler on, each operator type's time per step and the bytes its nodes move (inputs
+read plus outputs written, from the shapes the profiler records; an in-place KV write counts
+the rows it writes, not the buffer it is handed; a Slice the prefix it copies, read and
+written). Beside them, the floor: the bytes a step
+must read (every weight once, an embedding row, the live K/V: 2 x layers x L slots).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+
+from specdeploy.runtime.backends.ort import session_options
+
+try:
+    from benchmarks.provenance import provenance
+except ModuleNotFoundError:  # run as a file
+    from provenance import provenance
+
+SIZES = {"float": 4, "float16": 2, "int64": 8, "int32": 4, "uint8": 1, "int8": 1, "bool": 1}
+IN_PLACE = {"TensorScatter": 1}  # op -> index of the input whose rows it writes (the update)
+COPIES_OUTPUT = ("Slice",)  # ops that read only what they write out (a prefix of a KV buffer)
+PER_ROW = ("embed_tokens.weight", "cos_cache", "sin_cache")  # tables a step reads one row of
+
+
+def _bytes(shapes: list[dict]) -> int:
+    total = 0
+    for entry in shapes:
+        for dtype, dims in entry.items():
+            total += int(np.prod(dims, dtype=np.int64)) * SIZES.get(dtype, 4)
+    return total
+
+
+def weight_bytes(graph: Path) -> int:
+    """Bytes of the initializers a step reads whole (tables read a row at a time excluded)."""
+    model = onnx.load(str(graph), load_external_data=False)
+    total = 0
+    for t in model.graph.initializer:
+        if t.name in PER_ROW:
+            continue
+        n = int(np.prod(t.dims, dtype=np.int64)) if t.dims else 1
+        total += n * onnx.helper.tensor_dtype_to_np_dtype(t.data_type).itemsize
+    return total
+
+
+class Stepper:
+    """A target graph's T = 1 step, inputs and KV buffers bound once."""
+
+    def __init__(self, graph: Path, so: ort.SessionOptions):
+        self.session = ort.InferenceSession(str(graph), so, providers=["CPUExecutionProvider"])
+        self.kv = {}
+        for value in self.session.get_inputs():
+            if value.name.startswith("past_"):
+                shape = [1, *value.shape[1:]]
+                dtype = np.float16 if "float16" in value.type else np.float32
+                rng = np.random.default_rng(len(self.kv))
+                self.kv[value.name] = ort.OrtValue.ortvalue_from_numpy(
+                    (rng.standard_normal(shape) * 0.1).astype(dtype))
+        first = next(iter(self.kv.values()))
+        self.max_seq = first.shape()[2] if len(first.shape()) == 4 else first.shape()[1]
+        self.names = {v.name for v in self.session.get_inputs()}
+
+    def binding(self, length: int) -> ort.IOBinding:
+        b = self.session.io_binding()
+        feeds = {"input_ids": np.array([[1]], np.int64), "position_ids": np.array([[length - 1]], np.int64),
+                 "write_indices": np.array([length - 1], np.int64),
+                 "attention_mask": np.zeros((1, 1, 1, length), np.float32),
+                 "logits_rows": np.array([0], np.int64)}
+        for name, value in feeds.items():
+            if name in self.names:
+                b.bind_cpu_input(name, value)
+        for name, value in self.kv.items():
+            b.bind_ortvalue_input(name, value)
+            b.bind_ortvalue_output(name.replace("past_", "present_"), value)
+        b.bind_output("logits")
+        return b
+
+    def run(self, binding: ort.IOBinding, steps: int) -> list[float]:
+        out = []
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            self.session.run_with_iobinding(binding)
+            out.append(time.perf_counter() - t0)
+        return out
+
+
+def profile(graph: Path, lengths: list[int], steps: int, threads: int) -> dict:
+    floor_weights = weight_bytes(graph)
+    timer = Stepper(graph, session_options(threads))
+    wall = {}
+    for length in lengths:
+        b = timer.binding(length)
+        timer.run(b, 3)
+        wall[length] = statistics.median(timer.run(b, steps))
+    kv_per_slot = sum(int(np.prod(v.shape())) // timer.max_seq * (2 if v.data_type() == "tensor(float16)" else 4)
+                      for v in timer.kv.values())
+    del timer
+
+    so = session_options(threads)
+    so.enable_profiling = True
+    so.profile_file_prefix = os.path.join(tempfile.mkdtemp(), "step")
+    prof = Stepper(graph, so)
+    marks = []
+    for length in lengths:
+        b = prof.binding(length)
+        prof.run(b, 3)
+        marks.append((length, time.perf_counter()))
+        prof.run(b, steps)
+    trace = json.loads(Path(prof.session.end_profiling()).read_text())
+
+    runs = [e for e in trace if e.get("cat") == "Session" and e.get("name") == "model_run"]
+    nodes = [e for e in trace if e.get("cat") == "Node" and e["name"].endswith("_kernel_time")]
+    per_length = []
+    # The profiler's runs in order: per length, 3 warm-ups then `steps` measured.
+    order = [length for length in lengths for _ in range(3 + steps)]
+    assert len(runs) == len(order), (len(runs), len(order))
+    spans = [(r["ts"], r["ts"] + r["dur"], length, i % (3 + steps) >= 3) for i, (r, length) in enumerate(zip(runs, order))]
+    ops: dict[int, dict[str, list[float]]] = {n: defaultdict(lambda: [0.0, 0.0]) for n in lengths}
+    span = 0
+    for e in sorted(nodes, key=lambda e: e["ts"]):
+        while span < len(spans) and e["ts"] > spans[span][1]:
+            span += 1
+        if span == len(spans) or not spans[span][3]:
+            continue
+        op = e["args"]["op_name"]
+        inputs = e["args"].get("input_type_shape", [])
+        if op in IN_PLACE:
+            moved = 2 * _bytes(inputs[IN_PLACE[op]:IN_PLACE[op] + 1])
+        elif op in COPIES_OUTPUT:
+            moved = 2 * _bytes(e["args"].get("output_type_shape", []))
+        else:
+            moved = _bytes(inputs) + _bytes(e["args"].get("output_type_shape", []))
+        entry = ops[spans[span][2]][op]
+        entry[0] += e["dur"] / 1e6 / steps
+        entry[1] += moved / steps
+    for length in lengths:
+        floor = floor_weights + kv_per_slot * length
+        table = sorted(ops[length].items(), key=lambda kv: -kv[1][0])
+        per_length.append({
+            "length": length, "step_ms": wall[length] * 1e3, "floor_bytes": floor, "kv_bytes": kv_per_slot * length,
+            "moved_bytes": sum(v[1] for v in ops[length].values()),
+            "ops": [{"op": op, "ms": s * 1e3, "bytes": int(m)} for op, (s, m) in table],
+        })
+    return {"graph": str(graph), "weights_bytes": floor_weights, "kv_bytes_per_slot": kv_per_slot,
+            "steps": steps, "threads": threads, "lengths": per_length}
+
+
+def render(report: dict, top: int = 8) -> str:
+    lines = [f"{report['graph']}: weights read per step {report['weights_bytes'] / 1e6:.1f} MB, "
+             f"K/V {report['kv_bytes_per_slot']} bytes per slot; {report['threads']} threads, "
+             f"{report['steps']} steps per length"]
+    for row in report["lengths"]:
+        kernel_ms = sum(o["ms"] for o in row["ops"])
+        lines.append(f"\nL = {row['length']}: step {row['step_ms']:.2f} ms (kernels {kernel_ms:.2f} ms); must read "
+                     f"{row['floor_bytes'] / 1e6:.1f} MB (K/V {row['kv_bytes'] / 1e6:.1f}), nodes move "
+                     f"{row['moved_bytes'] / 1e6:.1f} MB ({row['moved_bytes'] / row['floor_bytes']:.2f}x the floor)")
+        for o in row["ops"][:top]:
+            lines.append(f"  {o['op']:<34} {o['ms']:8.3f} ms {o['bytes'] / 1e6:9.1f} MB")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("bundle", type=Path)
+    parser.add_argument("--lengths", default="256,1024,3072,6144")
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    lengths = [int(x) for x in args.lengths.split(",")]
+    report = profile(args.bundle / "target.onnx", lengths, args.steps, args.threads)
+    print(render(report))
+    if args.json:
+        report["provenance"] = provenance()
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(report, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,139 @@
+"""Long prompts against llama.cpp: documents of 1k-6k tokens, summary and edit tasks.
+
+    python benchmarks/long_prompts.py BUNDLE [--gguf FILE] [--lengths 1024,3072,6144]
+        [--max-new-tokens N] [--repeats R] [--threads N] [--json OUT]
+
+The documents are files every Debian system carries: the GPL-3 licence text for the summaries
+(cut at a line end to the length asked, counted in the bundle's tokens, then "Summarize the
+text above"), and Python's own `json/encoder.py` for the edit ("rewrite the code with every
+comment removed": most of the answer copies the input). Our chat template wraps each; llama.cpp
+gets the very same token ids. Per prompt and repeat, alternating: llama.cpp plain, ours plain,
+ours with the bundle's draft (draft length auto); greedy; every prompt processed whole on both
+sides (no prefix cache). Reported per prompt, median over repeats: time to the first token,
+decode-only tok/s (the tokens after the first over the time after it) and whole-request tok/s,
+side by side, never one divided by the other; and whether each output equals the others.
+The bundle needs a --max-seq the longest prompt plus --max-new-tokens fits in.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import sysconfig
+from pathlib import Path
+
+from specdeploy.runtime import Session
+
+try:
+    from benchmarks.llamacpp import decode_rate, llama_generate
+    from benchmarks.provenance import provenance
+except ModuleNotFoundError:  # run as a file
+    from llamacpp import decode_rate, llama_generate
+    from provenance import provenance
+
+LICENCE = Path("/usr/share/common-licenses/GPL-3")
+SOURCE = Path(sysconfig.get_paths()["stdlib"]) / "json" / "encoder.py"
+SUMMARY = "\n\nSummarize the text above in a few sentences."
+EDIT = "Rewrite the following Python code with every comment removed, changing nothing else.\n\n"
+
+
+def cut(session: Session, text: str, tokens: int) -> str:
+    """The longest prefix of `text` that ends at a line end and encodes to at most `tokens`."""
+    lines = text.splitlines(keepends=True)
+    lo, hi = 1, len(lines)
+    while lo < hi:  # the most lines that fit
+        mid = (lo + hi + 1) // 2
+        if len(session.encode("".join(lines[:mid]), chat=False)) <= tokens:
+            lo = mid
+        else:
+            hi = mid - 1
+    return "".join(lines[:lo])
+
+
+def prompts(session: Session, lengths: list[int]) -> list[tuple[str, str]]:
+    """(name, prompt) for each summary length, then the edit at the middle length."""
+    licence = LICENCE.read_text()
+    out = [(f"summary {n}", cut(session, licence, n) + SUMMARY) for n in lengths]
+    middle = sorted(lengths)[len(lengths) // 2]
+    out.append((f"edit {middle}", EDIT + cut(session, SOURCE.read_text(), middle)))
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("bundle")
+    ap.add_argument("--gguf", help="GGUF for llama.cpp (default: the embedded default)")
+    ap.add_argument("--lengths", default="1024,3072,6144", help="summary document lengths, in tokens")
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    try:
+        import llama_cpp
+    except ImportError:
+        sys.exit("this benchmark needs llama-cpp-python: pip install llama-cpp-python")
+    if args.gguf is None:
+        from specdeploy.export import embedded_default
+
+        args.gguf = str(embedded_default())
+    plain_session = Session(args.bundle, threads=args.threads, prompt_cache=False)
+    spec_session = plain_session.fork()
+    cases = prompts(plain_session, [int(x) for x in args.lengths.split(",")])
+    longest = max(len(plain_session.encode(p, chat=True)) for _, p in cases)
+    if longest + args.max_new_tokens > plain_session.bundle.max_seq:
+        sys.exit(f"{args.bundle}: max_seq {plain_session.bundle.max_seq} is below the longest prompt ({longest} tokens) "
+                 f"+ {args.max_new_tokens} new; export it with a larger --max-seq")
+    llm = llama_cpp.Llama(args.gguf, n_ctx=plain_session.bundle.max_seq, n_threads=args.threads,
+                          n_threads_batch=args.threads, verbose=False, seed=0)
+    eos = set(plain_session.eos_token_ids)
+    engines = ("llama.cpp plain", "ours plain", "ours spec")
+    rows = []
+    for name, prompt in cases:
+        ids = plain_session.encode(prompt, chat=True)
+        m = {e: {"first_token_s": [], "decode_tps": [], "request_tps": []} for e in engines}
+        for _ in range(args.repeats):
+            ref, s, first = llama_generate(llm, ids, args.max_new_tokens, eos, keep_cache=False)
+            m["llama.cpp plain"]["first_token_s"].append(first)
+            m["llama.cpp plain"]["decode_tps"].append(decode_rate(len(ref), s, first))
+            m["llama.cpp plain"]["request_tps"].append(len(ref) / s)
+            plain = plain_session.generate(prompt_ids=ids, max_new_tokens=args.max_new_tokens, speculate=False)
+            spec = spec_session.generate(prompt_ids=ids, max_new_tokens=args.max_new_tokens, draft_len="auto")
+            for engine, result in (("ours plain", plain), ("ours spec", spec)):
+                m[engine]["first_token_s"].append(result.stats.first_token_seconds)
+                m[engine]["decode_tps"].append(result.stats.decode_tokens_per_second)
+                m[engine]["request_tps"].append(result.stats.tokens_per_second)
+        row = {"prompt": name, "prompt_tokens": len(ids), "new_tokens": len(plain.token_ids), "llama_cpp_new_tokens": len(ref),
+               "spec_identical_to_plain": spec.token_ids == plain.token_ids,
+               "plain_identical_to_llama_cpp": plain.token_ids == ref,
+               "spec_tokens_per_pass": round(spec.stats.mean_accepted, 2)}
+        for engine in engines:
+            row[engine] = {k: round(statistics.median(v), 3) for k, v in m[engine].items()}
+        row["decode_ours_plain_vs_llama_cpp"] = round(row["ours plain"]["decode_tps"] / row["llama.cpp plain"]["decode_tps"], 3)
+        row["decode_ours_spec_vs_llama_cpp"] = round(row["ours spec"]["decode_tps"] / row["llama.cpp plain"]["decode_tps"], 3)
+        rows.append(row)
+        print(json.dumps(row), file=sys.stderr, flush=True)
+
+    print(f"\n{args.bundle} against llama.cpp on {Path(args.gguf).name}; {args.threads} threads, greedy, "
+          f"{args.max_new_tokens} new tokens max, median of {args.repeats}, every prompt processed whole")
+    print(f"{'prompt':<14} {'tokens':>6} | {'first token s: ours / llama.cpp':>32} | "
+          f"{'decode tok/s: plain / spec / llama.cpp':>40} | {'request tok/s: plain / spec / llama.cpp':>41} | same")
+    for r in rows:
+        o, s, c = r["ours plain"], r["ours spec"], r["llama.cpp plain"]
+        same = ("spec=plain" if r["spec_identical_to_plain"] else "SPEC DIFFERS") + (
+            ", plain=llama.cpp" if r["plain_identical_to_llama_cpp"] else ", plain!=llama.cpp")
+        print(f"{r['prompt']:<14} {r['prompt_tokens']:>6} | {o['first_token_s']:>14.2f} / {c['first_token_s']:<15.2f} | "
+              f"{o['decode_tps']:>9.1f} / {s['decode_tps']:5.1f} / {c['decode_tps']:<5.1f} "
+              f"({r['decode_ours_plain_vs_llama_cpp']:.2f}x, {r['decode_ours_spec_vs_llama_cpp']:.2f}x) | "
+              f"{o['request_tps']:>12.1f} / {s['request_tps']:5.1f} / {c['request_tps']:<8.1f}| {same}")
+    if args.json:
+        meta = {"bundle": args.bundle, "gguf": args.gguf, "threads": args.threads, "repeats": args.repeats,
+                "max_new_tokens": args.max_new_tokens, "llama_cpp_python": llama_cpp.__version__,
+                "documents": {"summary": str(LICENCE), "edit": str(SOURCE)}}
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps({"meta": meta, "rows": rows, "provenance": provenance()}, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
