@@ -12,7 +12,7 @@ from pathlib import Path
 import click
 
 from specdeploy.core.errors import InputError, SpecdeployError
-from specdeploy.core.choices import BACKENDS, DEVICES, DTYPES, QUANT_SCHEMES
+from specdeploy.core.choices import BACKENDS, DEVICES, DTYPES, KV_CHOICES, QUANT_SCHEMES
 from specdeploy.core.manifest import ATTENTIONS
 
 DEFAULT_PROMPT = "Explain in three short sentences why the sky is blue."
@@ -97,7 +97,9 @@ def _share_threads(threads: int | None) -> None:
               help="PATH (a model sharing the target's tokenizer, or an EAGLE-3 head folder), self:layers=N[,dtype=D], "
                    "ngram, suffix (a suffix index over the request and earlier ones, proposing token trees), or none.")
 @click.option("--out", required=True, type=click.Path(path_type=Path), help="Bundle folder to write.")
-@click.option("--max-seq", default=1024, show_default=True, help="KV buffer length: prompt + new tokens must fit.")
+@click.option("--max-seq", type=int, default=None,
+              help="KV buffer length: prompt + new tokens must fit; export states its K/V memory.  "
+                   "[default: the model's context, at most 8192]")
 @click.option("--max-draft", default=8, show_default=True, help="Largest draft length a verify pass may carry.")
 @click.option("--max-batch", default=8, show_default=True,
               help="Most sequences one pass may carry (the graphs' batch dimension; `serve --batch`).")
@@ -108,6 +110,9 @@ def _share_threads(threads: int | None) -> None:
               help="Target weights: fp32; fp16 (GPUs; KV cache fp16 too); int8/int4 (weight-only blocks).  "
                    "[default: int4 --for cpu, fp16 --for cuda/tensorrt (fp32 for Gemma)]")
 @click.option("--draft-dtype", type=click.Choice(DTYPES), default=None, help="Draft model weights.  [default: --dtype]")
+@click.option("--kv-dtype", type=click.Choice(list(KV_CHOICES)), default=None,
+              help="Target KV buffers: fp16 halves the memory a long context reads and holds (fp32/int8/int4 "
+                   "targets, exact attention).  [default: fp32, fp16 for an fp16 target]")
 @click.option("--prefill-chunk", type=POSITIVE, default=None, help="Prompt tokens per prefill pass.  [default: 64, at most --max-seq]")
 @click.option("--attention", type=click.Choice(ATTENTIONS), default="exact", show_default=True,
               help="Target graph: exact (verify rows equal single steps bit for bit) or fused (ONNX Runtime's "
@@ -119,8 +124,8 @@ def _share_threads(threads: int | None) -> None:
               help="Draft graph.  [default: fused for an int8/int4 draft, else --attention]")
 @click.option("--draft-quant-scheme", type=click.Choice(QUANT_SCHEMES), default=None,
               help="int8/int4 draft.  [default: exact]")
-def export_cmd(target, draft, out, max_seq, max_draft, max_batch, device, dtype, draft_dtype, prefill_chunk, attention,
-               quant_scheme, draft_attention, draft_quant_scheme):
+def export_cmd(target, draft, out, max_seq, max_draft, max_batch, device, dtype, draft_dtype, kv_dtype, prefill_chunk,
+               attention, quant_scheme, draft_attention, draft_quant_scheme):
     """Export TARGET (and its draft) into an ONNX bundle with in-place KV buffers."""
     from specdeploy.export import build_bundle, embedded_default
 
@@ -129,7 +134,7 @@ def export_cmd(target, draft, out, max_seq, max_draft, max_batch, device, dtype,
     build_bundle(
         target, draft, out, max_seq, max_draft, dtype, prefill_chunk, log=lambda m: click.echo(m, err=True),
         draft_dtype=draft_dtype, attention=attention, quant_scheme=quant_scheme, draft_attention=draft_attention,
-        draft_quant_scheme=draft_quant_scheme, device=device, max_batch=max_batch,
+        draft_quant_scheme=draft_quant_scheme, device=device, max_batch=max_batch, kv_dtype=kv_dtype,
     )
 
 

@@ -4,6 +4,10 @@ reads them without importing torch or a backend)."""
 DTYPES = ("fp32", "fp16", "bf16", "int8", "int4")  # a graph's weights (ModelSpec.dtype)
 FLOAT_DTYPES = ("fp32", "fp16", "bf16")  # float weights, standard ONNX ops only: TensorRT parses them, trees verify on them
 KV_DTYPE = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16", "int8": "float32", "int4": "float32"}  # each dtype's KV buffers
+# export --kv-dtype: a target whose activations are float32 (fp32, int8, int4) may keep its KV
+# buffers in float16, half the bytes a long context reads and holds (written rounded, read back
+# exactly, so verify rows still equal single steps bit for bit).
+KV_CHOICES = {"fp32": "float32", "fp16": "float16"}
 # bf16 graphs run where there are bfloat16 kernels and buffers: the torch backend (CPU or GPU).
 # ONNX Runtime's CPU provider has no bfloat16 kernels, and its Python bindings and the trt
 # backend's host staging are numpy, which has no bfloat16: they refuse bf16 bundles in one line.

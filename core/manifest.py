@@ -92,6 +92,12 @@ MOST = {"num_layers": 1024, "num_kv_heads": 1024, "head_dim": 4096, "vocab_size"
         "max_seq": 1 << 20, "max_draft": 32, "ngram": 64, "eos_token_ids": 64, "max_batch": 64}
 MANIFEST_BYTES = 16 << 20  # a manifest is a few kB; past this it is not one
 KV_DTYPES = ("float32", "float16", "bfloat16")
+
+
+def mib(n_bytes: int) -> str:
+    return f"{n_bytes / 2**20:.1f} MiB"
+
+
 ATTENTIONS = ("exact", "fused")  # see ModelSpec.attention
 
 
@@ -419,6 +425,16 @@ class Manifest:
     def kv_bytes(self) -> int:
         """What every model's KV buffers take together."""
         return sum(m.kv_bytes(self.max_seq) for m in self.models.values())
+
+    def kv_cost(self) -> str:
+        """What --max-seq costs in memory, in words: the K/V of one sequence (each model's) and
+        of every batch slot a batched server holds."""
+        parts = " + ".join(f"{role} {mib(m.kv_bytes(self.max_seq))} {m.kv_dtype}" for role, m in self.models.items())
+        line = f"K/V {mib(self.kv_bytes())} per sequence at max_seq {self.max_seq}"
+        line += f" ({parts})" if len(self.models) > 1 else f" ({self.models['target'].kv_dtype})"
+        if self.max_batch > 1:
+            line += f", {mib(self.kv_bytes() * self.max_batch)} for {self.max_batch} batch slots (serve --batch)"
+        return line
 
     def as_dict(self) -> dict:
         d = {

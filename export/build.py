@@ -24,7 +24,7 @@ import torch
 
 from specdeploy.core.errors import BundleError, ExportError
 from specdeploy.core.graph_io import AUX_HIDDEN, LOGITS_ROWS, graph_facts, io_names, kv_names
-from specdeploy.core.choices import DEVICE_DTYPE, DEVICES, DTYPES, KV_DTYPE, QUANT_SCHEMES
+from specdeploy.core.choices import DEVICE_DTYPE, DEVICES, DTYPES, KV_CHOICES, KV_DTYPE, QUANT_SCHEMES
 from specdeploy.core.manifest import ATTENTIONS, FORMAT, MANIFEST, MOST, Manifest, ModelSpec, TokenizerEntry, checksums, file_sizes, not_exact_line, write_manifest
 
 from .architectures import architecture, check_export
@@ -36,6 +36,11 @@ from .quantize import SCHEMES, quantize_model
 
 VERSION = "0.1.0"
 PREFILL_CHUNK = 64  # prompt tokens per prefill pass unless told (at most max_seq)
+# --max-seq's default: the model's own context (config max_position_embeddings), at most this
+# many tokens: what summaries of long documents need, at a K/V cost export states (SmolLM2
+# int4: 360 MiB per sequence in float32, 180 MiB in float16). A model that names no context: 2048.
+DEFAULT_MAX_SEQ = 8192
+UNNAMED_CONTEXT = 2048
 # A draft graph that runs on ONNX Runtime only (int8/int4) takes the fused attention unless
 # told otherwise, and the source's own blocks: re-quantizing a GGUF's blocks drops the
 # draft's agreement with the target from 94% to 72% (docs/quantization.md, "Exact and fast schemes").
@@ -170,9 +175,10 @@ def feature_shapes(graph) -> tuple[dict, dict]:
     return {name: [b, "T", width] for name, width in graph.feature_inputs.items()}, outputs
 
 
-def model_entry(graph: SpecGraph, source: Source, role: str, graph_file: str, dtype: str, max_seq: int) -> ModelSpec:
+def model_entry(graph: SpecGraph, source: Source, role: str, graph_file: str, dtype: str, max_seq: int,
+                kv_dtype: str | None = None) -> ModelSpec:
     """The manifest entry of a graph whose batch dimension B is dynamic (the bundle's max_batch
-    bounds it)."""
+    bounds it). `kv_dtype` (a numpy name): its KV buffers' (default: the dtype's, KV_DTYPE)."""
     cfg = source.config
     inputs, outputs = io_names(graph.num_layers)
     feature_in, feature_out = feature_shapes(graph)
@@ -192,7 +198,7 @@ def model_entry(graph: SpecGraph, source: Source, role: str, graph_file: str, dt
         head_dim=graph.head_dim,
         vocab_size=cfg.vocab_size,
         dtype=dtype,
-        kv_dtype=KV_DTYPE[dtype],
+        kv_dtype=kv_dtype or KV_DTYPE[dtype],
         sliding_window=model_window(cfg, max_seq),
         parameters=sum(p.numel() for p in graph.parameters()),
         inputs={
@@ -215,7 +221,7 @@ def model_entry(graph: SpecGraph, source: Source, role: str, graph_file: str, dt
 def _export_model(
     graph: SpecGraph, source: Source, *, work: Path, role: str, dtype: str, attention: str, max_seq: int,
     max_draft: int, prefill_chunk: int, full_model: bool, log: Callable[[str], None], device: str = "cpu",
-    max_batch: int = 1,
+    max_batch: int = 1, kv_dtype: str | None = None,
 ) -> ModelSpec:
     graph_file = f"{role}.onnx"
     t0 = time.perf_counter()
@@ -224,17 +230,18 @@ def _export_model(
     standard = device == "tensorrt"  # standard ONNX ops only (TensorRT's parser reads no contrib op)
     if (quantized and graph.arch.contrib_ops and not standard) or fused:  # ONNX Runtime's fused contrib ops
         graph.use_contrib_ops(max_seq, fused=fused)
-    spec = model_entry(graph, source, role, graph_file, dtype, max_seq).replace(attention=attention)
+    spec = model_entry(graph, source, role, graph_file, dtype, max_seq, kv_dtype).replace(attention=attention)
     # constant folding: TensorRT's parser wants constant axes and shapes (skipped for ONNX Runtime's
     # quantized graphs, on which it takes minutes and which ONNX Runtime folds at load)
     fold = not (graph.contrib_ops or (quantized and not standard))
-    forms = export_onnx(graph, work / graph_file, max_seq, TORCH_DTYPE[dtype], optimize=fold,
+    forms = export_onnx(graph, work / graph_file, max_seq, getattr(torch, spec.kv_dtype), optimize=fold,
                         facts=graph_facts(spec), standard_quant=quantized and standard, max_batch=max(max_batch, 2))
     if forms is not None:
         graph.quantization = {**graph.quantization, "method": "weight-only, blocked DequantizeLinear + MatMul",
                               "dequantize_linear": forms}
         spec = spec.replace(quantization=graph.quantization)
-    log(f"  {role}: exported {graph.num_layers} layers ({dtype}, {attention} attention) in "
+    kv = "" if spec.kv_dtype == KV_DTYPE[dtype] else f", {spec.kv_dtype} KV"
+    log(f"  {role}: exported {graph.num_layers} layers ({dtype}, {attention} attention{kv}) in "
         f"{time.perf_counter() - t0:.1f}s; checking parity")
     for line in quantization_lines(graph.quantization):
         log(f"  {role}: {line}")
@@ -342,11 +349,56 @@ def tokenizer_entry(source: Source, work: Path) -> TokenizerEntry:
     )
 
 
+def check_lengths(max_seq: int, max_draft: int, prefill_chunk: int | None) -> int:
+    """--max-seq, --max-draft and --prefill-chunk against each other; the prefill chunk (its
+    default: PREFILL_CHUNK, at most max_seq)."""
+    if not 2 <= max_seq <= 1 << 17:
+        raise ExportError(f"--max-seq {max_seq}: expected 2..131072")
+    if not 1 <= max_draft <= 32 or max_draft >= max_seq:
+        raise ExportError(f"--max-draft {max_draft}: expected 1..32 and below --max-seq ({max_seq})")
+    if prefill_chunk is None:
+        prefill_chunk = min(PREFILL_CHUNK, max_seq)
+    if not 1 <= prefill_chunk <= max_seq:
+        raise ExportError(f"--prefill-chunk {prefill_chunk}: expected 1..{max_seq} (--max-seq)")
+    return prefill_chunk
+
+
+def default_max_seq(cfg, log: Callable[[str], None]) -> int:
+    """--max-seq unless told: the model's context, at most DEFAULT_MAX_SEQ (said on the terminal)."""
+    context = getattr(cfg, "max_position_embeddings", None)
+    if not isinstance(context, int) or context < 2:
+        log(f"--max-seq {UNNAMED_CONTEXT}: the model's config names no context (max_position_embeddings)")
+        return UNNAMED_CONTEXT
+    if context > DEFAULT_MAX_SEQ:
+        log(f"--max-seq {DEFAULT_MAX_SEQ}: the model reads up to {context} tokens; a longer --max-seq holds more K/V")
+        return DEFAULT_MAX_SEQ
+    log(f"--max-seq {context}: the model's context")
+    return context
+
+
+def check_kv_dtype(kv_dtype: str, dtype: str, attention: str, device: str) -> None:
+    """--kv-dtype: float16 KV buffers for a target whose activations are float32; the dtype's
+    own KV otherwise (KV_DTYPE). One-line refusals name the flag and the reason."""
+    if kv_dtype not in KV_CHOICES:
+        raise ExportError(f"--kv-dtype {kv_dtype!r}: expected one of {', '.join(KV_CHOICES)}")
+    if KV_CHOICES[kv_dtype] == KV_DTYPE[dtype]:
+        return
+    if KV_DTYPE[dtype] != "float32":
+        raise ExportError(f"--kv-dtype {kv_dtype} with --dtype {dtype}: a {dtype} graph keeps {KV_DTYPE[dtype]} KV "
+                          "buffers; --kv-dtype fp16 is for fp32, int8 and int4 targets")
+    if attention == "fused":
+        raise ExportError(f"--kv-dtype {kv_dtype} with --attention fused: GroupQueryAttention takes KV buffers of its "
+                          "activations' type (float32); use --attention exact")
+    if device == "tensorrt":
+        raise ExportError(f"--kv-dtype {kv_dtype} with --for tensorrt: float16 KV beside float32 activations has not "
+                          "run on TensorRT; leave --kv-dtype at its default there")
+
+
 def build_bundle(
     target: str | Path,
     draft: str | None,
     out: str | Path,
-    max_seq: int = 1024,
+    max_seq: int | None = None,
     max_draft: int = 8,
     dtype: str = "fp32",
     prefill_chunk: int | None = None,
@@ -358,6 +410,7 @@ def build_bundle(
     draft_quant_scheme: str | None = None,
     device: str = "cpu",
     max_batch: int = 8,
+    kv_dtype: str | None = None,
 ) -> Manifest:
     """Export a target (and its draft) into the bundle folder `out`; returns the manifest.
     `dtype`, `attention` and `quant_scheme` are the target's; the draft model's default to
@@ -366,7 +419,9 @@ def build_bundle(
     `device` (core DEVICES) is where the bundle will run: `dtype` None takes its default
     (DEVICE_DTYPE; fp32 for a family whose activations overflow fp16), and for "tensorrt" every
     graph keeps to standard ONNX (int8/int4 as DequantizeLinear + MatMul) and is checked
-    against TensorRT's parser before the bundle is written."""
+    against TensorRT's parser before the bundle is written. `kv_dtype` (KV_CHOICES; None: the
+    dtype's own) is the target's KV buffers: fp16 halves what a long context reads and holds
+    for a target whose activations are float32 (check_kv_dtype)."""
     out = Path(out)
     if device not in DEVICES:
         raise ExportError(f"--for {device!r}: expected one of {', '.join(DEVICES)}")
@@ -388,32 +443,33 @@ def build_bundle(
     ):
         if value not in allowed:
             raise ExportError(f"{flag} {value!r}: expected one of {', '.join(allowed)}")
+    if kv_dtype is not None and dtype is not None:  # else once --for has chosen the dtype
+        check_kv_dtype(kv_dtype, dtype, attention, device)
     if attention == "fused" and dtype in SCHEMES and recipe.kind != "none":
         raise ExportError(
             f"--attention fused with an {dtype} target: its verify rows differ from single steps by more than "
             "near-ties (its int8 activation rounding amplifies the fused attention's rounding), so speculation "
             "would change the output; use --attention exact, or --draft none (plain decoding)"
         )
-    if not 2 <= max_seq <= 1 << 17:
-        raise ExportError(f"--max-seq {max_seq}: expected 2..131072")
-    if not 1 <= max_draft <= 32 or max_draft >= max_seq:
-        raise ExportError(f"--max-draft {max_draft}: expected 1..32 and below --max-seq")
     if not 1 <= max_batch <= MOST["max_batch"]:
         raise ExportError(f"--max-batch {max_batch}: expected 1..{MOST['max_batch']}")
-    if prefill_chunk is None:
-        prefill_chunk = min(PREFILL_CHUNK, max_seq)
-    if not 1 <= prefill_chunk <= max_seq:
-        raise ExportError(f"--prefill-chunk {prefill_chunk}: expected 1..{max_seq} (--max-seq)")
+    if max_seq is not None:  # checked before the model loads; the default once it has
+        prefill_chunk = check_lengths(max_seq, max_draft, prefill_chunk)
     check_out(out)
     torch.manual_seed(0)
     started = time.perf_counter()
     log(f"loading target {target}")
     target_source = load_source(target)
+    if max_seq is None:
+        max_seq = default_max_seq(target_source.config, log)
+        prefill_chunk = check_lengths(max_seq, max_draft, prefill_chunk)
     if dtype is None:
         dtype = DEVICE_DTYPE[device]
         if dtype == "fp16" and not architecture(target_source.config).fp16:
             dtype = "fp32"
         log(f"--for {device}: --dtype {dtype}")
+        if kv_dtype is not None:
+            check_kv_dtype(kv_dtype, dtype, attention, device)
     draft_dtype = dtype if draft_dtype is None else draft_dtype
     recipe.prepare(target_source, log)
     with atomic_folder(out, log) as work:
@@ -446,7 +502,8 @@ def build_bundle(
             graph = source_graph(source, model_dtype, num_layers, scheme, "none" if device == "tensorrt" else None,
                                  getattr(recipe, "aux_layers", None) if role == "target" else None)
             return _export_model(graph, source, role=role, dtype=model_dtype, attention=model_attention,
-                                 full_model=full_model, device=device, **common, **batched)
+                                 full_model=full_model, device=device, **common, **batched,
+                                 kv_dtype=KV_CHOICES[kv_dtype] if kv_dtype and role == "target" else None)
 
         models = {"target": export_model(target_source, dtype, role="target")}
         draft_model = recipe.export(target_source, draft_dtype, export_model)
@@ -476,5 +533,6 @@ def build_bundle(
                 raise ExportError(f"--for tensorrt: {len(problems)} node(s) TensorRT's parser refuses, the first: "
                                   f"{problems[0]}")
             log("  check-trt: TensorRT's parser takes every node of every graph")
+    log(f"  {manifest.kv_cost()}")
     log(f"bundle written to {out} in {time.perf_counter() - started:.0f}s")
     return manifest

@@ -233,8 +233,7 @@ def check_parity(
 
     # bf16: ONNX Runtime's CPU provider has no bfloat16 kernels; eager is checked against the source
     engine = OrtEngine(onnx_path, spec, max_seq, threads=None) if dtype in NUMPY_DTYPES else None
-    kv_dtype = TORCH_DTYPE[dtype]
-    past = kv_buffers(graph, max_seq, kv_dtype)
+    past = kv_buffers(graph, max_seq, getattr(torch, spec.kv_dtype))
     rng = np.random.default_rng(seed)
     schedule = parity_schedule(max_seq, max_draft, prefill_chunk)
     total = sum(t for _, t in schedule)
@@ -276,7 +275,11 @@ def check_parity(
                 worst_hf = _rel_diff(np.concatenate(eager_rows), ref)
     finally:
         graph.inplace = False
-    bound = PARITY_RTOL[dtype]
+    # Float16 KV buffers (export --kv-dtype fp16) under float32 activations: a key or value that
+    # ONNX Runtime and eager compute a float32 ulp apart can round to neighbouring float16
+    # values (measured on SmolLM2 fp32: 3.7e-4 against eager, 1e-4 the float32 bound), and both
+    # round what the source keeps in float32: the check holds them to the fp16 graphs' bound.
+    bound = max(PARITY_RTOL[dtype], PARITY_RTOL["fp16"]) if spec.kv_dtype == "float16" else PARITY_RTOL[dtype]
     if worst_ort > bound:
         raise ExportError(
             f"{onnx_path.name}: ONNX Runtime logits differ from PyTorch eager by {worst_ort:.2e} "

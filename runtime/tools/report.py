@@ -1,12 +1,8 @@
 """Human-readable views of bundles and runs."""
 from __future__ import annotations
 
-from specdeploy.core.manifest import FORMAT, Bundle, not_exact_line
+from specdeploy.core.manifest import FORMAT, Bundle, mib, not_exact_line
 from specdeploy.runtime.decoding.stats import Stats
-
-
-def _mib(n_bytes: int) -> str:
-    return f"{n_bytes / 2**20:.1f} MiB"
 
 
 def describe(bundle: Bundle) -> str:
@@ -20,14 +16,14 @@ def describe(bundle: Bundle) -> str:
         f"sequence    max {m.max_seq} tokens (prompt + new), draft up to {m.max_draft} per round, "
         f"prefill chunk {m.prefill_chunk}",
         f"batch       up to {m.max_batch} sequences a pass"
-        + (f" (serve --batch; {_mib(m.models['target'].kv_bytes(m.max_seq))} of KV each)" if m.max_batch > 1
-           else " (exported before batched passes)"),
+        + (" (serve --batch)" if m.max_batch > 1 else " (exported before batched passes)"),
+        f"memory      {m.kv_cost()}",
         f"draft       {m.draft.kind}: {drafter_class(m.draft.kind).describe(m.draft)}",
     ]
     for role, e in m.models.items():
         size = (bundle.path / e.graph).stat().st_size if (bundle.path / e.graph).exists() else 0
         lines += [
-            f"{role:<11} {e.graph} ({_mib(size)}): {e.architecture}, {e.num_layers}/{e.source_layers} layers, "
+            f"{role:<11} {e.graph} ({mib(size)}): {e.architecture}, {e.num_layers}/{e.source_layers} layers, "
             f"hidden {e.hidden_size}, heads {e.num_heads} (kv {e.num_kv_heads}) x {e.head_dim}, "
             f"vocab {e.vocab_size}" + (f" (its head: {e.draft_vocab} draft tokens)" if e.draft_vocab else "")
             + f", {e.parameters / 1e6:.1f}M parameters, {e.dtype}",
@@ -60,7 +56,8 @@ def describe(bundle: Bundle) -> str:
                 + (f"{ort_diff:.1e}" if ort_diff is not None else "not run (no bfloat16 CPU kernels)")
                 + (f", eager vs source {src:.1e}" if src is not None else "")
                 + (f", eager vs the published forward {published:.1e}" if published is not None else "")
-                + f" (bound {p['bound']:.2g}, relative to the largest logit)"
+                + f" (bound {p['bound']:.2g}, relative to the largest logit"
+                + (", float16 KV)" if e.kv_dtype == "float16" and e.dtype != "fp16" else ")")
             )
         lines.append(f"            source: {e.source}")
     tok = m.tokenizer
