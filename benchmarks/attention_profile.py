@@ -1,7 +1,7 @@
 """Where a decoding step's time goes as the context grows: ONNX Runtime's profiler, per operator.
 
-    python benchmarks/attention_profile.py BUNDLE [--lengths 256,1024,3072,6144] [--steps N]
-        [--threads N] [--json OUT]
+    python benchmarks/attention_profile.py BUNDLE [BUNDLE ...] [--lengths 256,1024,3072,6144]
+        [--steps N] [--rounds N] [--threads N] [--json OUT]
 
 The bundle's target graph runs bare T = 1 steps (a single sequence, the runtime's session
 options, every KV buffer bound in place as the runtime binds it) with the write position at
@@ -11,6 +11,11 @@ read plus outputs written, from the shapes the profiler records; an in-place KV 
 the rows it writes, not the buffer it is handed; a Slice the prefix it copies, read and
 written). Beside them, the floor: the bytes a step
 must read (every weight once, an embedding row, the live K/V: 2 x layers x L slots).
+
+With several bundles, the step times are measured side by side: per length, `--rounds`
+rounds in which each bundle runs `--steps` steps in turn (all loaded at once), the median of
+each bundle's steps, and its ratio to the first bundle's; then each bundle's profile. Last,
+per bundle and length, whether a verify pass's `--rows` rows equal single steps bit for bit.
 """
 from __future__ import annotations
 
@@ -27,6 +32,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
+from specdeploy.core.graph_io import attention_mask
 from specdeploy.runtime.backends.ort import session_options
 
 try:
@@ -92,6 +98,33 @@ class Stepper:
         b.bind_output("logits")
         return b
 
+    def pass_logits(self, token_ids: np.ndarray, start: int) -> np.ndarray:
+        """Every row's logits [T, V] of one pass of `token_ids` written at `start`."""
+        t = len(token_ids)
+        b = self.session.io_binding()
+        feeds = {"input_ids": token_ids[None], "position_ids": np.arange(start, start + t, dtype=np.int64)[None],
+                 "write_indices": np.array([start], np.int64), "attention_mask": attention_mask(start, t),
+                 "logits_rows": np.arange(t, dtype=np.int64)}
+        for name, value in feeds.items():
+            if name in self.names:
+                b.bind_cpu_input(name, value)
+        b.bind_output("logits")  # the first output bound: copy_outputs_to_cpu()[0]
+        for name, value in self.kv.items():
+            b.bind_ortvalue_input(name, value)
+            b.bind_ortvalue_output(name.replace("past_", "present_"), value)
+        self.session.run_with_iobinding(b)
+        return b.copy_outputs_to_cpu()[0][0]
+
+    def rows_against_steps(self, length: int, t: int) -> tuple[float, bool]:
+        """A verify pass of `t` rows ending at slot length - 1, then the same tokens as single
+        steps over the same slots: the largest difference relative to the largest logit, and
+        whether every row is bit-identical (what speculation's exactness rests on)."""
+        tokens = np.arange(1, t + 1, dtype=np.int64)
+        start = length - t
+        whole = self.pass_logits(tokens, start)
+        single = np.concatenate([self.pass_logits(tokens[i:i + 1], start + i) for i in range(t)])
+        return float(np.abs(whole - single).max() / np.abs(single).max()), bool(np.array_equal(whole, single))
+
     def run(self, binding: ort.IOBinding, steps: int) -> list[float]:
         out = []
         for _ in range(steps):
@@ -101,17 +134,36 @@ class Stepper:
         return out
 
 
-def profile(graph: Path, lengths: list[int], steps: int, threads: int) -> dict:
-    floor_weights = weight_bytes(graph)
-    timer = Stepper(graph, session_options(threads))
-    wall = {}
+def side_by_side(graphs: list[Path], lengths: list[int], steps: int, rounds: int, threads: int
+                 ) -> dict[Path, dict[int, float]]:
+    """Median step seconds per graph and length, the graphs taking turns (`rounds` x `steps` each)."""
+    timers = {g: Stepper(g, session_options(threads)) for g in graphs}
+    wall: dict[Path, dict[int, float]] = {g: {} for g in graphs}
     for length in lengths:
-        b = timer.binding(length)
-        timer.run(b, 3)
-        wall[length] = statistics.median(timer.run(b, steps))
-    kv_per_slot = sum(int(np.prod(v.shape())) // timer.max_seq * (2 if v.data_type() == "tensor(float16)" else 4)
-                      for v in timer.kv.values())
-    del timer
+        bindings = {g: t.binding(length) for g, t in timers.items()}
+        times: dict[Path, list[float]] = {g: [] for g in graphs}
+        for g, t in timers.items():
+            t.run(bindings[g], 3)
+        for _ in range(rounds):
+            for g, t in timers.items():
+                times[g] += t.run(bindings[g], steps)
+        for g in graphs:
+            wall[g][length] = statistics.median(times[g])
+    return wall
+
+
+def profile(graph: Path, lengths: list[int], steps: int, threads: int, wall: dict[int, float]) -> dict:
+    """Per length: `wall` (the step's median seconds) and, profiler on, each operator type's
+    time and bytes per step."""
+    floor_weights = weight_bytes(graph)
+    model = onnx.load(str(graph), load_external_data=False)
+    kv_per_slot = 0
+    for value in model.graph.input:
+        if value.name.startswith("past_"):
+            dims = [d.dim_value for d in value.type.tensor_type.shape.dim]
+            itemsize = onnx.helper.tensor_dtype_to_np_dtype(value.type.tensor_type.elem_type).itemsize
+            kv_per_slot += int(np.prod(dims[1:])) // dims[2] * itemsize
+    del model
 
     so = session_options(threads)
     so.enable_profiling = True
@@ -178,19 +230,36 @@ def render(report: dict, top: int = 8) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("bundle", type=Path)
+    parser.add_argument("bundles", type=Path, nargs="+")
     parser.add_argument("--lengths", default="256,1024,3072,6144")
     parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--rows", type=int, default=5, help="rows of the verify pass checked against single steps")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     lengths = [int(x) for x in args.lengths.split(",")]
-    report = profile(args.bundle / "target.onnx", lengths, args.steps, args.threads)
-    print(render(report))
+    graphs = [b / "target.onnx" for b in args.bundles]
+    wall = side_by_side(graphs, lengths, args.steps, args.rounds, args.threads)
+    print(f"step time, median of {args.rounds} x {args.steps} steps each, the bundles taking turns:")
+    for length in lengths:
+        first = wall[graphs[0]][length]
+        print(f"  L = {length:>5}: " + "; ".join(
+            f"{b} {wall[g][length] * 1e3:.2f} ms ({wall[g][length] / first:.2f}x)" for b, g in zip(args.bundles, graphs)))
+    reports = [profile(g, lengths, args.steps, args.threads, wall[g]) for g in graphs]
+    print(f"\na verify pass of {args.rows} rows against {args.rows} single steps over the same slots:")
+    for b, g, report in zip(args.bundles, graphs, reports):
+        checker = Stepper(g, session_options(args.threads))
+        for row in report["lengths"]:
+            diff, same = checker.rows_against_steps(row["length"], args.rows)
+            row["verify_rows_bit_identical"], row["verify_rows_max_rel_diff"] = same, diff
+            print(f"  {b} L = {row['length']}: " + ("bit-identical" if same else f"differ, by up to {diff:.1e} of the largest logit"))
+    for report in reports:
+        print("\n" + render(report))
     if args.json:
-        report["provenance"] = provenance()
+        out = {"rounds": args.rounds, "bundles": reports, "provenance": provenance()}
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report, indent=1) + "\n")
+        args.json.write_text(json.dumps(out, indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -54,6 +54,20 @@ def llama_generate(llm, ids: list[int], max_new_tokens: int, eos: set[int], keep
     return out, time.perf_counter() - t0, first
 
 
+def load_llama_cpp(gguf: str | None):
+    """llama-cpp-python (or exit with how to install it) and the GGUF to give it: `gguf`, or
+    the embedded default's."""
+    try:
+        import llama_cpp
+    except ImportError:
+        sys.exit("this benchmark needs llama-cpp-python: pip install llama-cpp-python")
+    if gguf is None:
+        from specdeploy.export import embedded_default
+
+        gguf = str(embedded_default())
+    return llama_cpp, gguf
+
+
 def decode_rate(tokens: int, seconds: float, first: float) -> float:
     """Tokens after the first over the time after it (prompt processing excluded)."""
     return (tokens - 1) / (seconds - first) if tokens > 1 and seconds > first else 0.0
@@ -73,15 +87,8 @@ def main() -> None:
                          "default, our Session's prompt cache); default: both process every prompt whole")
     ap.add_argument("--json")
     args = ap.parse_args()
-    try:
-        import llama_cpp
-        from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
-    except ImportError:
-        sys.exit("this benchmark needs llama-cpp-python: pip install llama-cpp-python")
-    if args.gguf is None:
-        from specdeploy.export import embedded_default
-
-        args.gguf = str(embedded_default())
+    llama_cpp, args.gguf = load_llama_cpp(args.gguf)
+    from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
     prompts = read_prompts(Path(args.prompts))  # a backslash-n inside a line is a newline
     sessions = {path: Session(path, threads=args.threads, prompt_cache=args.prompt_cache) for path in args.bundles}
     # Plain and speculative runs get a session each (one set of weights), as llama.cpp's plain and

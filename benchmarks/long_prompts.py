@@ -9,7 +9,8 @@ text above"), and Python's own `json/encoder.py` for the edit ("rewrite the code
 comment removed": most of the answer copies the input). Our chat template wraps each; llama.cpp
 gets the very same token ids. Per prompt and repeat, alternating: llama.cpp plain, ours plain,
 ours with the bundle's draft (draft length auto); greedy; every prompt processed whole on both
-sides (no prefix cache). Reported per prompt, median over repeats: time to the first token,
+sides (no prefix cache); every run decodes exactly --max-new-tokens tokens (end-of-sequence
+ignored on both sides), so both read the same contexts. Reported per prompt, median over repeats: time to the first token,
 decode-only tok/s (the tokens after the first over the time after it) and whole-request tok/s,
 side by side, never one divided by the other; and whether each output equals the others.
 The bundle needs a --max-seq the longest prompt plus --max-new-tokens fits in.
@@ -26,10 +27,10 @@ from pathlib import Path
 from specdeploy.runtime import Session
 
 try:
-    from benchmarks.llamacpp import decode_rate, llama_generate
+    from benchmarks.llamacpp import decode_rate, llama_generate, load_llama_cpp
     from benchmarks.provenance import provenance
 except ModuleNotFoundError:  # run as a file
-    from llamacpp import decode_rate, llama_generate
+    from llamacpp import decode_rate, llama_generate, load_llama_cpp
     from provenance import provenance
 
 LICENCE = Path("/usr/share/common-licenses/GPL-3")
@@ -70,14 +71,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--json")
     args = ap.parse_args()
-    try:
-        import llama_cpp
-    except ImportError:
-        sys.exit("this benchmark needs llama-cpp-python: pip install llama-cpp-python")
-    if args.gguf is None:
-        from specdeploy.export import embedded_default
-
-        args.gguf = str(embedded_default())
+    llama_cpp, args.gguf = load_llama_cpp(args.gguf)
     plain_session = Session(args.bundle, threads=args.threads, prompt_cache=False)
     spec_session = plain_session.fork()
     cases = prompts(plain_session, [int(x) for x in args.lengths.split(",")])
@@ -87,7 +81,8 @@ def main() -> None:
                  f"+ {args.max_new_tokens} new; export it with a larger --max-seq")
     llm = llama_cpp.Llama(args.gguf, n_ctx=plain_session.bundle.max_seq, n_threads=args.threads,
                           n_threads_batch=args.threads, verbose=False, seed=0)
-    eos = set(plain_session.eos_token_ids)
+    eos: set[int] = set()  # both sides decode every token asked for
+    plain_session.eos_token_ids = spec_session.eos_token_ids = []
     engines = ("llama.cpp plain", "ours plain", "ours spec")
     rows = []
     for name, prompt in cases:
