@@ -1,6 +1,7 @@
 """Two bundles' target graphs, decoding side by side: the time of a step, paired per prompt.
 
-    python benchmarks/graph_ab.py BUNDLE_A BUNDLE_B [--prompts FILE] [--steps N] [--repeats R] [--threads N]
+    python benchmarks/graph_ab.py BUNDLE_A BUNDLE_B [--prompts FILE | --documents 3072,6144] [--steps N]
+        [--repeats R] [--threads N]
 
 For A/B tests of graph changes (an export of the same model before and after). Each bundle's
 target runs a bare greedy loop (its engine's `forward` and an argmax: no policy, no text) for
@@ -8,7 +9,8 @@ target runs a bare greedy loop (its engine's `forward` and an argmax: no policy,
 order. Prints each bundle's median time per step and the median over prompts of B's time over
 A's on the same prompt. Load order matters on a shared CPU (of two sessions in one process,
 the one loaded second ran 5-7% faster in runs of one graph against itself): run both orders,
-`A B` and `B A`, and quote both.
+`A B` and `B A`, and quote both. --documents: instead of the prompts, the long-prompt
+benchmark's summaries of the GPL-3 text cut to those lengths (benchmarks/long_prompts.py).
 """
 from __future__ import annotations
 
@@ -46,11 +48,20 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--documents", help="comma-separated lengths in tokens: long summaries instead of --prompts")
     args = ap.parse_args()
     sessions = [Session(path, threads=args.threads, prompt_cache=False) for path in (args.a, args.b)]
+    if args.documents:
+        try:
+            from benchmarks.long_prompts import LICENCE, SUMMARY, cut
+        except ModuleNotFoundError:  # run as a file
+            from long_prompts import LICENCE, SUMMARY, cut
+        prompts = [cut(sessions[0], LICENCE.read_text(), int(n)) + SUMMARY for n in args.documents.split(",")]
+    else:
+        prompts = read_prompts(Path(args.prompts))
     times: list[list[float]] = [[], []]
     for repeat in range(args.repeats):
-        for i, prompt in enumerate(read_prompts(Path(args.prompts))):
+        for i, prompt in enumerate(prompts):
             ids = sessions[0].encode(prompt, chat=True)
             order = (0, 1) if (i + repeat) % 2 == 0 else (1, 0)
             for which in order:

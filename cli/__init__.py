@@ -112,7 +112,8 @@ def _share_threads(threads: int | None) -> None:
 @click.option("--draft-dtype", type=click.Choice(DTYPES), default=None, help="Draft model weights.  [default: --dtype]")
 @click.option("--kv-dtype", type=click.Choice(list(KV_CHOICES)), default=None,
               help="Target KV buffers: fp16 halves the memory a long context reads and holds (fp32/int8/int4 "
-                   "targets, exact attention).  [default: fp32, fp16 for an fp16 target]")
+                   "targets, exact attention).  [default: fp16 for an int8/int4 target --for cpu with exact "
+                   "attention, else the dtype's own: fp32, fp16, bf16]")
 @click.option("--prefill-chunk", type=POSITIVE, default=None, help="Prompt tokens per prefill pass.  [default: 64, at most --max-seq]")
 @click.option("--attention", type=click.Choice(ATTENTIONS), default="exact", show_default=True,
               help="Target graph: exact (verify rows equal single steps bit for bit) or fused (ONNX Runtime's "
