@@ -1,7 +1,7 @@
 """Where a decoding step's time goes as the context grows: ONNX Runtime's profiler, per operator.
 
     python benchmarks/attention_profile.py BUNDLE [BUNDLE ...] [--lengths 256,1024,3072,6144]
-        [--steps N] [--rounds N] [--threads N] [--json OUT]
+        [--steps N] [--rounds N] [--rows T] [--threads N] [--json OUT]
 
 The bundle's target graph runs bare T = 1 steps (a single sequence, the runtime's session
 options, every KV buffer bound in place as the runtime binds it) with the write position at
@@ -9,7 +9,8 @@ L - 1 for each context length L. Per length: the wall time of a step (median, pr
 then, profiler on, each operator type's time per step and the bytes its nodes move (inputs
 read plus outputs written, from the shapes the profiler records; an in-place KV write counts
 the rows it writes, not the buffer it is handed; a Slice the prefix it copies, read and
-written). Beside them, the floor: the bytes a step
+written; a fused graph's GroupQueryAttention is counted with its whole KV buffers, of which it
+reads the live prefix in place: its figure overstates). Beside them, the floor: the bytes a step
 must read (every weight once, an embedding row, the live K/V: 2 x layers x L slots).
 
 With several bundles, the step times are measured side by side: per length, `--rounds`
