@@ -84,23 +84,9 @@ class Stepper:
         self.max_seq = first.shape()[2] if len(first.shape()) == 4 else first.shape()[1]
         self.names = {v.name for v in self.session.get_inputs()}
 
-    def binding(self, length: int) -> ort.IOBinding:
-        b = self.session.io_binding()
-        feeds = {"input_ids": np.array([[1]], np.int64), "position_ids": np.array([[length - 1]], np.int64),
-                 "write_indices": np.array([length - 1], np.int64),
-                 "attention_mask": np.zeros((1, 1, 1, length), np.float32),
-                 "logits_rows": np.array([0], np.int64)}
-        for name, value in feeds.items():
-            if name in self.names:
-                b.bind_cpu_input(name, value)
-        for name, value in self.kv.items():
-            b.bind_ortvalue_input(name, value)
-            b.bind_ortvalue_output(name.replace("past_", "present_"), value)
-        b.bind_output("logits")
-        return b
-
-    def pass_logits(self, token_ids: np.ndarray, start: int) -> np.ndarray:
-        """Every row's logits [T, V] of one pass of `token_ids` written at `start`."""
+    def bind(self, token_ids: np.ndarray, start: int) -> ort.IOBinding:
+        """A pass of `token_ids` written at `start`, every row's logits asked for (the first
+        output bound: copy_outputs_to_cpu()[0]), every KV buffer bound in place."""
         t = len(token_ids)
         b = self.session.io_binding()
         feeds = {"input_ids": token_ids[None], "position_ids": np.arange(start, start + t, dtype=np.int64)[None],
@@ -109,10 +95,19 @@ class Stepper:
         for name, value in feeds.items():
             if name in self.names:
                 b.bind_cpu_input(name, value)
-        b.bind_output("logits")  # the first output bound: copy_outputs_to_cpu()[0]
+        b.bind_output("logits")
         for name, value in self.kv.items():
             b.bind_ortvalue_input(name, value)
             b.bind_ortvalue_output(name.replace("past_", "present_"), value)
+        return b
+
+    def binding(self, length: int) -> ort.IOBinding:
+        """A single step at slot length - 1: attention over L = `length` slots."""
+        return self.bind(np.array([1], np.int64), length - 1)
+
+    def pass_logits(self, token_ids: np.ndarray, start: int) -> np.ndarray:
+        """Every row's logits [T, V] of one pass of `token_ids` written at `start`."""
+        b = self.bind(token_ids, start)
         self.session.run_with_iobinding(b)
         return b.copy_outputs_to_cpu()[0][0]
 

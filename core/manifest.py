@@ -92,13 +92,12 @@ MOST = {"num_layers": 1024, "num_kv_heads": 1024, "head_dim": 4096, "vocab_size"
         "max_seq": 1 << 20, "max_draft": 32, "ngram": 64, "eos_token_ids": 64, "max_batch": 64}
 MANIFEST_BYTES = 16 << 20  # a manifest is a few kB; past this it is not one
 KV_DTYPES = ("float32", "float16", "bfloat16")
+ATTENTIONS = ("exact", "fused")  # see ModelSpec.attention
 
 
 def mib(n_bytes: int) -> str:
+    """A byte count as the CLI and `inspect` print it."""
     return f"{n_bytes / 2**20:.1f} MiB"
-
-
-ATTENTIONS = ("exact", "fused")  # see ModelSpec.attention
 
 
 def bundle_file_name(name: Any, where: str) -> str:
