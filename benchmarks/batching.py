@@ -7,9 +7,12 @@
 C client threads each send their share of the prompts (chat template, greedy) one after
 another, all starting together; every mode runs the same requests:
 
-- pool: today's `SessionPool` with W workers (a batch of one each, sharing the cores);
+- pool: `SessionPool` with W workers (a batch of one each, sharing the cores), speculation off;
+- poolspec: the same pool, speculation `auto` (what `serve` ran by default before it batched);
 - plain: `BatchSession(batch=C)` with speculation off;
-- spec: `BatchSession(batch=C)`, speculation under the batch's policy (`auto`).
+- spec: `BatchSession(batch=C)`, speculation under the batch's policy (`auto`);
+- serve: what `specdeploy serve` runs told neither --batch nor --workers: the batch
+  `default_batch` sizes for the bundle (8 slots whatever C), speculation `auto`.
 
 Per request it records the time to its first token (TTFT, from the request's start, queueing
 included), the gaps between its pieces divided by the tokens each brought (inter-token
@@ -42,9 +45,10 @@ from pathlib import Path
 
 import numpy as np
 
+from specdeploy.core.manifest import load_bundle
 from specdeploy.runtime import Session
 from specdeploy.runtime.decoding.batch import BatchSession
-from specdeploy.runtime.serving.pool import SessionPool
+from specdeploy.runtime.serving.pool import SessionPool, default_batch
 
 try:
     from benchmarks.provenance import provenance
@@ -129,10 +133,17 @@ def main() -> None:
     reference = {p: solo.generate(p, chat=True, max_new_tokens=args.max_new_tokens, speculate=False).token_ids
                  for p in dict.fromkeys(prompts)}
     del solo
-    pool = SessionPool(args.bundle, workers=args.workers, max_queue=64) if "pool" in modes else None
+    pool = SessionPool(args.bundle, workers=args.workers, max_queue=64) if {"pool", "poolspec"} & set(modes) else None
     report = {"bundle": args.bundle, "requests": args.requests, "max_new_tokens": args.max_new_tokens,
               "repeats": args.repeats, "workers": args.workers, "prompts": args.prompts, "runs": {},
               "provenance": provenance()}
+    served = None
+    if "serve" in modes:
+        slots, why = default_batch(load_bundle(args.bundle, verify=False))
+        if slots is None:
+            raise SystemExit(f"{args.bundle}: serve runs one session here ({why}): measure it as --modes pool --workers 1")
+        served = BatchSession(args.bundle, batch=slots, max_queue=64)
+        report["serve_batch"] = slots
     for c in streams:
         batched = BatchSession(args.bundle, batch=c, max_queue=64) if {"plain", "spec"} & set(modes) else None
         if batched is not None:
@@ -140,10 +151,10 @@ def main() -> None:
         results: dict[str, list[dict]] = {m: [] for m in modes}
         for rep in range(args.repeats):
             for mode in modes:
-                server = pool if mode == "pool" else batched
-                before = dict(server.timing) if mode != "pool" else None
-                full_before = list(server.timing_by_lanes.get(c, [0, 0.0, 0])) if mode != "pool" else None
-                run = run_streams(server, prompts, c, args.max_new_tokens, speculate=mode == "spec")
+                server = {"pool": pool, "poolspec": pool, "serve": served}.get(mode, batched)
+                before = dict(server.timing) if server is not pool else None
+                full_before = list(server.timing_by_lanes.get(c, [0, 0.0, 0])) if server is not pool else None
+                run = run_streams(server, prompts, c, args.max_new_tokens, speculate=mode in ("spec", "serve", "poolspec"))
                 for p, r in zip(prompts, run["records"]):
                     if r["ids"] != reference[p]:
                         raise SystemExit(f"{mode} at {c} streams: the output of {p!r:.40} differs from a Session alone")
@@ -170,6 +181,8 @@ def main() -> None:
             batched.close()
         report["runs"][c] = {m: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for m, rs in results.items()}
         report["runs"][c]["all"] = results
+    if served is not None:
+        served.close()
     print(table(report))
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1))

@@ -4,6 +4,7 @@ User mistakes print one line on stderr (`error: ...`) and exit 1, never a traceb
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -102,7 +103,7 @@ def _share_threads(threads: int | None) -> None:
                    "[default: the model's context, at most 8192]")
 @click.option("--max-draft", default=8, show_default=True, help="Largest draft length a verify pass may carry.")
 @click.option("--max-batch", default=8, show_default=True,
-              help="Most sequences one pass may carry (the graphs' batch dimension; `serve --batch`).")
+              help="Most sequences one pass may carry (the graphs' batch dimension: what `serve` batches).")
 @click.option("--for", "device", type=click.Choice(DEVICES), default="cpu", show_default=True,
               help="Where the bundle will run: cpu (ONNX Runtime), cuda (ONNX Runtime CUDA or torch), tensorrt "
                    "(standard ONNX only, checked by check-trt); sets --dtype's default.")
@@ -321,10 +322,11 @@ def _digest_option(ctx, param, value: str | None) -> str | None:
 @click.argument("bundle", type=click.Path(path_type=Path))
 @click.option("--host", default="127.0.0.1", show_default=True, help="Loopback by default; 0.0.0.0 exposes it.")
 @click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True, help="0: any free port.")
-@click.option("--workers", default=1, show_default=True, help="Sessions generating at once (each owns its KV buffers).")
+@click.option("--workers", type=POSITIVE, default=None,
+              help="A pool of N sessions instead of a batch, each generating alone (each owns its KV buffers).")
 @click.option("--batch", type=POSITIVE, default=None,
-              help="Continuous batching instead of --workers: up to N requests in one pass per round (a bundle exported "
-                   "with --max-batch >= N; ONNX Runtime on the CPU).")
+              help="Continuous batching of up to N requests in one pass per round (a bundle exported with --max-batch "
+                   ">= N; ONNX Runtime on the CPU).  [default: up to 8 where the bundle batches, else 1 session]")
 @click.option("--max-queue", default=8, show_default=True, help="Requests allowed to wait; past it: 503.")
 @click.option("--threads", type=THREADS, help="ONNX Runtime intra-op threads per session (one pool for target and draft "
                                          "when --workers is 1).")
@@ -344,25 +346,23 @@ def serve(bundle, host, port, workers, batch, max_queue, threads, model_name, ma
           queue_timeout, graceful_seconds, digest, device, trt_ep):
     """Serve BUNDLE over OpenAI-compatible HTTP (completions, chat, SSE streaming, /metrics)."""
     from specdeploy.core.manifest import load_bundle
-    from specdeploy.runtime.serving.server import serve as run_server
+    from specdeploy.runtime.serving.server import running, serve as run_server
 
-    if workers < 1 or max_queue < 0:
-        raise InputError("--workers must be >= 1 and --max-queue >= 0")
-    if batch is not None and (workers > 1 or trt_ep):
+    if max_queue < 0:
+        raise InputError("--max-queue must be >= 0")
+    if batch is not None and (workers is not None or trt_ep):
         raise InputError("--batch runs every request in one batch: leave out --workers and --trt-ep")
     if max_body_bytes < 1 or (max_prompt_chars is not None and max_prompt_chars < 1):
         raise InputError("--max-body-bytes and --max-prompt-chars must be >= 1")
     if (queue_timeout is not None and not queue_timeout > 0) or not 0 <= graceful_seconds < float("inf"):
         raise InputError("--queue-timeout must be > 0 and --graceful-seconds a finite number >= 0")
     _port_free(host, port)
+    manifest = load_bundle(bundle, verify=False, digest=digest)  # its manifest alone: another bundle is one line, at once
+    workers, batch, plan = running(manifest, workers, batch, device, trt_ep)
     if workers == 1 and batch is None:  # several sessions at once keep pools of their own: none waits on another's threads
         _share_threads(threads)
-    pinned = {}  # serve's default unless --digest: any bundle
-    if digest is not None:
-        load_bundle(bundle, verify=False, digest=digest)  # its manifest alone: another bundle is one line, at once
-        pinned = {"digest": digest}
-    running = f"batches of up to {batch}" if batch else f"{workers} session(s)"
-    click.echo(f"serving {bundle}{f' ({digest})' if digest else ''} on http://{host}:{port} ({running}, "
+    pinned = {} if digest is None else {"digest": digest}  # serve's default unless --digest: any bundle
+    click.echo(f"serving {bundle}{f' ({digest})' if digest else ''} on http://{host}:{port} ({plan}, "
                f"queue {max_queue})", err=True)
     run_server(str(bundle), host, port, workers, max_queue, threads, model_name, max_body_bytes=max_body_bytes,
                graceful_seconds=graceful_seconds, queue_timeout=queue_timeout, max_prompt_chars=max_prompt_chars,
@@ -381,8 +381,9 @@ def serve(bundle, host, port, workers, batch, max_queue, threads, model_name, ma
               help="ort on the CPU; torch or trt on each instance's GPU.")
 @click.option("--threads", type=THREADS, help="ONNX Runtime intra-op threads per instance (default: all cores).")
 @click.option("--reference", is_flag=True, help="State the bundle's absolute path in config.pbtxt instead of copying it.")
-@click.option("--batch", type=int, default=None,
-              help="Continuous batching in each instance: up to N requests in one pass per round.")
+@click.option("--batch", type=click.IntRange(min=0), default=None,
+              help="Continuous batching in each instance: up to N requests in one pass per round; 0: one request at a "
+                   "time.  [default: up to 8 where the bundle batches, else 0]")
 @click.option("--replace", is_flag=True,
               help="Replace an OUT/NAME that specdeploy wrote (anything else there is never touched).")
 @click.option("--check", "check_dir", type=click.Path(path_type=Path),
@@ -406,6 +407,12 @@ def triton_repo(bundle, out, name, instances, max_queue, backend, threads, refer
         return
     if bundle is None or out is None:
         raise InputError("give BUNDLE and OUT (or --check REPOSITORY)")
+    if batch is None:  # chosen here to be said below; a bundle that does not load is write_repository's to refuse
+        from specdeploy.core.manifest import load_bundle
+        from specdeploy.runtime.serving.pool import default_batch
+
+        with contextlib.suppress(SpecdeployError):
+            batch = default_batch(load_bundle(bundle, verify=False), backend)[0] or 0
     model_dir = triton.write_repository(bundle, out, name, instances, max_queue, backend, threads, reference, replace,
                                         batch=batch)
     batching = f", batches of up to {batch}" if batch else ""

@@ -432,7 +432,7 @@ class Manifest:
         line = f"K/V {mib(self.kv_bytes())} per sequence at max_seq {self.max_seq}"
         line += f" ({parts})" if len(self.models) > 1 else f" ({self.models['target'].kv_dtype})"
         if self.max_batch > 1:
-            line += f", {mib(self.kv_bytes() * self.max_batch)} for {self.max_batch} batch slots (serve --batch)"
+            line += f", {mib(self.kv_bytes() * self.max_batch)} for {self.max_batch} batch slots (serve)"
         return line
 
     def as_dict(self) -> dict:

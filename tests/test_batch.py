@@ -395,6 +395,57 @@ def test_finish_reasons_in_a_batch(bundles):
         batched.close()
 
 
+def test_a_stop_string_ends_the_lane_in_the_round_that_meets_it_whether_read_or_not(bundles):
+    """The scheduler cuts a lane's text at its stop strings as the rounds commit: a request whose
+    reader reads nothing still leaves the batch in the round that met its stop string (it decodes
+    no round nobody reads), and its text and tokens are then Session's."""
+    bundle = bundles("llama-ngram")
+    session = Session(bundle, prompt_cache=False)
+    alone = session.generate(tiny.PROMPTS[0], max_new_tokens=100, speculate=False)
+    stop = alone.text[8:12]
+    want = session.generate(tiny.PROMPTS[0], max_new_tokens=100, stop=[stop], speculate=False)
+    assert stop and want.stats.finish_reason == "stop" and want.stats.new_tokens < 100
+    batched = BatchSession(bundle, batch=2)
+    try:
+        gen = batched.stream(tiny.PROMPTS[0], max_new_tokens=100, stop=[stop], speculate=False)
+        deadline = time.monotonic() + 30
+        while batched.in_flight and time.monotonic() < deadline:  # nobody reads it meanwhile
+            time.sleep(0.005)
+        assert batched.in_flight == 0 and gen.stats.new_tokens == want.stats.new_tokens
+        got = Session.collect(gen)
+        assert (got.text, got.token_ids, got.stats.finish_reason) == (want.text, want.token_ids, "stop")
+    finally:
+        batched.close()
+
+
+def test_servers_batch_by_default_where_the_bundle_and_the_memory_allow(copy_of):
+    """What `serve` and `triton-repo` run when told neither a batch nor a pool (pool.default_batch):
+    up to 8 lanes, fewer where half the machine's memory holds fewer KV slots, and one session where
+    a batch cannot run the bundle (one sequence a pass, ONNX Runtime on a GPU, TensorRT)."""
+    import json
+
+    from specdeploy.core.manifest import load_bundle
+    from specdeploy.runtime.serving.pool import default_batch
+
+    path = copy_of("llama-ngram")
+    bundle = load_bundle(path, verify=False)
+    per_slot = bundle.manifest.kv_bytes()
+    assert default_batch(bundle) == (8, "batches of up to 8")
+    assert default_batch(bundle, "torch")[0] == 8
+    assert default_batch(bundle, budget=3 * per_slot + 1)[0] == 3
+    batch, why = default_batch(bundle, budget=per_slot)
+    assert batch is None and "do not fit" in why
+    for where in [dict(device="cuda"), dict(device="cuda:1", trt_ep=True)]:
+        batch, why = default_batch(bundle, "ort", **where)
+        assert batch is None and "not ort on cuda" in why
+    assert default_batch(bundle, "trt")[0] is None
+    manifest = json.loads((path / "manifest.json").read_text())
+    manifest["max_batch"] = 1
+    (path / "manifest.json").write_text(json.dumps(manifest))
+    batch, why = default_batch(load_bundle(path, verify=False))
+    assert batch is None and "one sequence a pass" in why
+
+
 def test_a_burst_gets_every_place_the_batch_and_its_queue_offer(bundles):
     """`batch` N running plus `max_queue` Q waiting: a burst of N + Q is admitted whole (a request
     not yet in a slot counts once), the next is refused, and the refusal says what is true then."""

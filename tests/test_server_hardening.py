@@ -370,7 +370,9 @@ def test_the_server_still_answers_after_the_hostile_inputs(server):
     server.wait_idle(within=1.0)
 
 
-def test_serve_passes_its_limits_and_grace_period_to_the_server(monkeypatch, tmp_path):
+def test_serve_passes_its_limits_and_grace_period_to_the_server(monkeypatch, bundles):
+    """The limits as given; told neither --batch nor --workers, the server batches as the bundle allows
+    (its graphs carry 8 sequences a pass here), and says so."""
     from click.testing import CliRunner
 
     from specdeploy.cli import main
@@ -378,14 +380,19 @@ def test_serve_passes_its_limits_and_grace_period_to_the_server(monkeypatch, tmp
 
     seen = {}
     monkeypatch.setattr(server_module, "serve", lambda *a, **k: seen.update(args=a, kwargs=k))
-    out = CliRunner().invoke(main, ["serve", str(tmp_path), "--max-body-bytes", "1000", "--max-prompt-chars", "500",
+    bundle = str(bundles("llama-ngram"))
+    out = CliRunner().invoke(main, ["serve", bundle, "--max-body-bytes", "1000", "--max-prompt-chars", "500",
                                     "--queue-timeout", "2.5", "--graceful-seconds", "3"])
     assert out.exit_code == 0, out.output
     assert seen["kwargs"] == {"max_body_bytes": 1000, "graceful_seconds": 3.0, "queue_timeout": 2.5,
-                              "max_prompt_chars": 500, "device": None, "trt_ep": False, "batch": None}
-    out = CliRunner().invoke(main, ["serve", str(tmp_path), "--batch", "4"])
+                              "max_prompt_chars": 500, "device": None, "trt_ep": False, "batch": 8}
+    assert seen["args"][3] == 1 and "batches of up to 8" in out.output
+    out = CliRunner().invoke(main, ["serve", bundle, "--batch", "4"])
     assert out.exit_code == 0 and seen["kwargs"]["batch"] == 4, out.output
-    out = CliRunner().invoke(main, ["serve", str(tmp_path), "--batch", "4", "--workers", "2"])
+    out = CliRunner().invoke(main, ["serve", bundle, "--workers", "2"])  # a pool, as asked
+    assert out.exit_code == 0 and seen["kwargs"]["batch"] is None and seen["args"][3] == 2, out.output
+    assert "2 session(s)" in out.output
+    out = CliRunner().invoke(main, ["serve", bundle, "--batch", "4", "--workers", "2"])
     assert out.exit_code != 0 and "--batch runs every request in one batch" in out.output
-    out = CliRunner().invoke(main, ["serve", str(tmp_path), "--graceful-seconds", "-1"])
+    out = CliRunner().invoke(main, ["serve", bundle, "--graceful-seconds", "-1"])
     assert out.exit_code != 0 and "--graceful-seconds" in out.output

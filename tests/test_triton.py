@@ -46,16 +46,23 @@ def test_repository_layout_and_config(bundles, tmp_path):
     assert (config.name, config.backend, config.max_batch_size) == ("spec", "python", 0)
     assert config.model_transaction_policy.decoupled
     assert [(g.count, pb2.ModelInstanceGroup.Kind.Name(g.kind)) for g in config.instance_group] == [(3, "KIND_CPU")]
-    assert config.dynamic_batching.default_queue_policy.max_queue_size == 5
+    # batches of up to 8 by default (the bundle's max_batch): Triton's queue also holds the 8 a batch takes
+    assert config.dynamic_batching.default_queue_policy.max_queue_size == 5 + 8
     assert {t.name for t in config.input} == {t.name for t in triton.INPUTS}
     assert [t.name for t in config.input if not t.optional] == ["text_input"]
     assert {k: v.string_value for k, v in config.parameters.items()} == {"bundle": "bundle", "backend": "ort",
-                                                                       "threads": "1", "batch": ""}
+                                                                       "threads": "1", "batch": "8"}
+    assert "3 instance(s), batches of up to 8" in result.output
     assert (model / "1" / "model.py").read_text() == triton.template()
     assert Session(model / "1" / "bundle").bundle.max_seq == 128  # the copy loads, checksums verified
     check = cli("triton-repo", "--check", tmp_path / "repo")
     assert check.exit_code == 0, check.output
-    assert "ok: spec: " in check.stdout and "3 instance(s), queue 5" in check.stdout
+    assert "ok: spec: " in check.stdout and "3 instance(s), batches of up to 8, queue 13" in check.stdout
+    one_at_a_time = cli("triton-repo", bundles(BUNDLE), tmp_path / "repo", "--name", "spec", "--instances", 3,
+                        "--max-queue", 5, "--batch", 0, "--replace")
+    config = read_config(model / "config.pbtxt")
+    assert config.dynamic_batching.default_queue_policy.max_queue_size == 5
+    assert config.parameters["batch"].string_value == "" and "batches" not in one_at_a_time.output
 
 
 def test_gpu_backends_and_a_referenced_bundle(bundles, tmp_path):
@@ -160,7 +167,9 @@ def served(bundles, tmp_path_factory):
         pytest.skip(reason)
     root = tmp_path_factory.mktemp("triton")
     bundle = bundles(BUNDLE)
-    triton.write_repository(bundle, root / "repo", "spec", instances=INSTANCES, max_queue=MAX_QUEUE, threads=1)
+    # one request at a time per instance (batch 0): the queue bound below counts requests, not lanes
+    triton.write_repository(bundle, root / "repo", "spec", instances=INSTANCES, max_queue=MAX_QUEUE, threads=1,
+                            batch=0)
     server = tritonserver.TritonServer(root / "repo", root)
     server.started_in = server.start()
     yield server, bundle

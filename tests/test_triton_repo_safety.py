@@ -137,7 +137,7 @@ def test_replace_replaces_only_what_specdeploy_wrote(bundle, tmp_path):
     repo = tmp_path / "repo"
     assert cli("triton-repo", bundle, repo, "--name", "m", "--max-queue", 3).exit_code == 0
     one_line_error(cli("triton-repo", bundle, repo, "--name", "m"), "already exists")
-    assert cli("triton-repo", bundle, repo, "--name", "m", "--max-queue", 4, "--replace").exit_code == 0
+    assert cli("triton-repo", bundle, repo, "--name", "m", "--max-queue", 4, "--batch", 0, "--replace").exit_code == 0
     assert "max_queue_size: 4" in (repo / "m" / "config.pbtxt").read_text()
     # a model folder half written by an earlier release (model.py and part of the bundle, no config)
     (repo / "m" / "config.pbtxt").unlink()
@@ -166,8 +166,8 @@ def test_replace_replaces_only_what_specdeploy_wrote(bundle, tmp_path):
 # -- 2. --check applies the writer's rules -------------------------------------------------------
 
 CONFIG_EDITS = [  # (a hand edit of config.pbtxt, what --check says)
-    (("max_queue_size: 8", "max_queue_size: 0"), "max_queue_size } } 0 must be >= 1 (Triton reads 0 as an unbounded queue)"),
-    (("max_queue_size: 8", "max_queue_size: -2"), "Value out of range: -2"),  # max_queue_size is unsigned
+    ((re.compile(r"max_queue_size: \d+"), "max_queue_size: 0"), "max_queue_size } } 0 must be >= 1 (Triton reads 0 as an unbounded queue)"),
+    ((re.compile(r"max_queue_size: \d+"), "max_queue_size: -2"), "Value out of range: -2"),  # max_queue_size is unsigned
     ((re.compile(r"dynamic_batching \{.*?\n\}\n", re.S), ""), "max_queue_size } } is missing: with no bound"),
     (("count: 1", "count: 0"), "instance_group count 0 is outside [1, 256]"),
     (("count: 1", "count: 300"), "instance_group count 300 is outside [1, 256]"),

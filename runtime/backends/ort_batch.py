@@ -21,7 +21,7 @@ import numpy as np
 import onnxruntime as ort
 
 from specdeploy.core.errors import BundleError, InputError
-from specdeploy.core.graph_io import LOGITS_ROWS, check_pass, fill_mask
+from specdeploy.core.graph_io import AUX_HIDDEN, LOGITS_ROWS, check_pass, fill_mask
 from specdeploy.core.manifest import ModelSpec
 
 from .ort import Placement, _load, _reason, no_bfloat16
@@ -46,9 +46,9 @@ class OrtBatchEngine:
         if batch_dim(session) != "B":
             raise BundleError(f"{graph_path}: its graph carries one sequence per pass (exported before batched "
                               "passes); re-export the bundle to batch")
-        if spec.feature_inputs or spec.feature_outputs:
-            raise InputError(f"{graph_path.name}: an EAGLE-3 bundle runs one sequence per pass; batched serving "
-                             "takes a bundle with an ngram, suffix or no draft")
+        if spec.feature_inputs:
+            raise InputError(f"{graph_path.name}: an EAGLE-3 head runs one sequence a pass (each lane's head "
+                             "engine is its own); its target batches")
         self.spec, self.session, self.graph_path = spec, session, graph_path
         self.name = f"{spec.role} ({graph_path.name})"
         self.max_seq, self.max_batch, self.vocab_size = max_seq, max_batch, spec.vocab_size
@@ -58,6 +58,11 @@ class OrtBatchEngine:
         self.slot_bytes = self.kv[0][0].nbytes
         self._bindings: dict[tuple[int, int], ort.IOBinding] = {}  # (first slot, B) -> KV bound once
         self._logits = np.zeros((max_batch, 1, spec.logits_width), np.float32)  # grown on demand (T rows)
+        # An EAGLE-3 target's hidden states: each pass's AUX_HIDDEN rows, per slot at their positions
+        # (what a lane's head reads, as OrtEngine.features for one sequence); None for other graphs
+        width = spec.feature_outputs.get(AUX_HIDDEN)
+        self.features = np.zeros((max_batch, max_seq, width), np.float32) if width else None
+        self._states = np.zeros((max_batch, 1, width or 1), np.float32)  # a pass's rows, grown on demand
         self.padding_floor = None  # its passes carry no padding lanes (TorchBatchEngine's do)
         self.runs = 0  # passes begun (the Engine contract's counter)
         self.rows = 0  # rows computed, padding included
@@ -111,12 +116,23 @@ class OrtBatchEngine:
         if self.spec.logits_rows:
             binding.bind_cpu_input(LOGITS_ROWS, np.arange(t - rows, t, dtype=np.int64))
         binding.bind_output("logits", "cpu", 0, np.float32, [b, rows, width], logits.ctypes.data)
+        states = None
+        if self.features is not None:
+            size = self.features.shape[2]
+            if self._states.size < b * t * size:
+                self._states = np.zeros((self.max_batch, t, size), np.float32)
+            states = self._states.reshape(-1)[: b * t * size].reshape(b, t, size)
+            binding.bind_output(AUX_HIDDEN, "cpu", 0, np.float32, [b, t, size], states.ctypes.data)
         self.runs += 1
         try:
             self.session.run_with_iobinding(binding)
         except RuntimeError as e:
             raise BundleError(f"{self.name}: ONNX Runtime failed a pass of {b}x{t} tokens ({_reason(e)})") from None
         self.rows += b * t
+        if states is not None:  # each sequence's rows of the target's states, at their positions in its slot
+            for i in range(b):
+                at = int(starts[i])
+                self.features[first + i, at : at + t] = states[i]
         return logits
 
     def swap(self, a: int, b: int, length_a: int, length_b: int) -> None:
@@ -127,4 +143,8 @@ class OrtBatchEngine:
             keep = buffer[a, :, :length_a].copy()
             buffer[a, :, :length_b] = buffer[b, :, :length_b]
             buffer[b, :, :length_a] = keep
+        if self.features is not None:  # the hidden states at the same positions move with them
+            keep = self.features[a, :length_a].copy()
+            self.features[a, :length_b] = self.features[b, :length_b]
+            self.features[b, :length_a] = keep
 

@@ -44,8 +44,8 @@ class TorchBatchEngine:
                  capture: bool | None = None, buckets: bool | None = None, capture_max_t: int = 9,
                  min_window: int = 64, warmup: int = 2):
         if spec.feature_inputs or spec.feature_outputs:
-            raise InputError(f"{spec.role}: an EAGLE-3 bundle runs one sequence per pass; batched serving takes a "
-                             "bundle with an ngram, suffix or no draft")
+            raise InputError(f"{spec.role}: an EAGLE-3 bundle batches on --backend ort (the torch backend's batched "
+                             "passes return no hidden states yet)")
         self.spec, self.max_seq, self.max_batch = spec, max_seq, max_batch
         self.name = f"{spec.role} (torch, batched)"
         self.vocab_size = spec.vocab_size

@@ -17,7 +17,8 @@ parameters, seed, stop strings, draft length and drafter state, and its output i
   exactly as alone, so a seeded request replays whatever else is in the batch.
 
 Drafting: model-free drafters (ngram, suffix) propose per lane on the host; a draft graph
-(model, self) drafts each lane in its own slot of the batch's draft engine (batch_draft.py);
+(model, self) drafts each lane in its own slot of the batch's draft engine, an EAGLE-3 head
+with the head of the lane's slot over the states the target wrote there (batch_draft.py);
 the batch's verify pass is T = 1 + the longest draft verified. BatchPolicy prices a pass of T tokens for
 B lanes from passes measured at that B, and turns speculation down, or off, as B grows.
 """
@@ -42,7 +43,7 @@ from specdeploy.runtime.backends import make_batch_engine
 from specdeploy.runtime.backends.ort import settle_thread_pool, thread_pool_choice
 from specdeploy.runtime.decoding.accept import accept_chain, accept_path
 from specdeploy.runtime.decoding.admission import POLL_SECONDS, Cancelled, Overloaded, QueueTimeout
-from specdeploy.runtime.decoding.batch_draft import BatchDraft
+from specdeploy.runtime.decoding.batch_draft import BatchDraft, BatchHeads
 from specdeploy.runtime.decoding.drafters import Proposal, drafter_class, make_drafter
 from specdeploy.runtime.decoding.drafters.model import static_cost_ratio
 from specdeploy.runtime.decoding.engine import Checked
@@ -50,7 +51,7 @@ from specdeploy.runtime.decoding.loop import check_finite
 from specdeploy.runtime.decoding.policy import DraftLength, PassCost, Probes, TreeSize
 from specdeploy.runtime.decoding.request import Request
 from specdeploy.runtime.decoding.sampling import SamplingParams
-from specdeploy.runtime.decoding.session import Generation, Prompts, Result, Session, text_pieces
+from specdeploy.runtime.decoding.session import Generation, Piece, Prompts, Result, Session, TextCut
 from specdeploy.runtime.decoding.stats import Round, Stats, finish_reason
 from specdeploy.runtime.decoding.tokenizer import Tokenizer
 from specdeploy.runtime.decoding.tree import DraftTree
@@ -209,6 +210,7 @@ class Lane:
     sizes: TreeSize | None  # per-rank acceptance (greedy auto), or a sampled lane's own policy
     fixed: int | None  # a pinned draft length
     lengths: DraftLength | None = None  # a model draft's: its own policy (sampled), its acceptance (greedy)
+    text: TextCut | None = None  # its text so far, cut at its stop strings: a stop string ends the lane
     stats: Stats = field(default_factory=Stats)
     out: "queue.SimpleQueue" = field(default_factory=queue.SimpleQueue)
     admitted: threading.Event = field(default_factory=threading.Event)
@@ -245,9 +247,11 @@ class BatchSession(Prompts):
     pass per round, up to `max_queue` more wait for a slot.
 
     The Python API mirrors `Session` (`stream`, `generate`, `start`) and `SessionPool`
-    (`check_capacity`, `shutdown`, `reopen`, `in_flight`, `waiting`): what `serve --batch` and
+    (`check_capacity`, `shutdown`, `reopen`, `in_flight`, `waiting`): what `serve` and
     the Triton model run on. A scheduler thread runs the rounds; each generation reads its
-    pieces from it, and its text (stop strings, UTF-8 pieces) is made in the reader's thread.
+    pieces from it. A lane's text (UTF-8 pieces, cut at its stop strings) is made as its rounds
+    commit, so a stop string ends the lane in the round that meets it, whether or not its reader
+    has caught up.
     """
 
     def __init__(self, bundle: str | Path | Bundle, batch: int = 4, max_queue: int = 8, threads: int | None = None,
@@ -258,7 +262,7 @@ class BatchSession(Prompts):
         self.bundle = bundle if isinstance(bundle, Bundle) else load_bundle(bundle, verify=verify, digest=digest)
         b = self.bundle
         if backend == "ort" and (device is None or str(device) == "cpu"):  # target and draft take turns: one pool
-            settle_thread_pool(thread_pool_choice(None), threads, b.draft_kind in ("model", "self"))
+            settle_thread_pool(thread_pool_choice(None), threads, b.model("draft") is not None)
         if not 1 <= batch <= b.max_batch:
             raise InputError(f"batch {batch}: this bundle's graphs carry 1..{b.max_batch} sequences a pass (its "
                              f"max_batch); re-export with --max-batch {batch} to batch more")
@@ -268,7 +272,8 @@ class BatchSession(Prompts):
         self.target = make_batch_engine(backend, b, batch, threads, device)
         kind = b.draft_kind
         self.drafter = None  # a model-free lookup: forked per lane, run on the host
-        self.draft: BatchDraft | None = None  # a draft graph: its KV slots follow the target's (batch_draft.py)
+        self.draft: BatchDraft | BatchHeads | None = None  # a draft graph: its KV slots follow the target's
+        # (batch_draft.py)
         if kind != "none":
             cls = drafter_class(kind)
             if cls.model_free:
@@ -277,9 +282,11 @@ class BatchSession(Prompts):
                 engine = make_batch_engine(backend, b, batch, threads, device, role="draft")
                 ratio = static_cost_ratio(b, b.model("draft"), b.model("target"))
                 self.draft = BatchDraft(engine, ratio, batch)
-            else:
-                log.warning(f"{b.path}: its {kind} draft reads the target's hidden states, which batched passes do "
-                            "not return yet; batched rounds decode without it (plain steps, the same output)")
+            else:  # an EAGLE-3 head per slot, reading the hidden states the batched target writes there
+                if self.target.features is None:
+                    raise InputError(f"{b.path}: its {kind} head reads the target's hidden states, which the "
+                                     f"{backend} backend's batched passes do not return; use --backend ort")
+                self.draft = BatchHeads(make_drafter(b, "ort", threads), self.target, batch)
         self.batch = batch
         self.max_queue = max_queue
         self.wait_seconds = wait_seconds
@@ -416,7 +423,7 @@ class BatchSession(Prompts):
             if params.greedy and fixed is None:
                 lengths.carry_from(self._auto_lengths)
             return Lane(req, ids, n, params, np.random.default_rng(params.seed), self.draft, None, fixed, lengths,
-                        end=n)
+                        text=self._text(req), end=n)
         drafter = self.drafter.fork() if speculate else None
         if drafter is not None and drafter.keeps_history:
             drafter.private = req.private
@@ -427,13 +434,17 @@ class BatchSession(Prompts):
             sizes = TreeSize(max_draft, measure=False, chains=True)
             if params.greedy:
                 _carry(sizes, self._auto)
-        return Lane(req, ids, n, params, np.random.default_rng(params.seed), drafter, sizes, fixed, end=n)
+        return Lane(req, ids, n, params, np.random.default_rng(params.seed), drafter, sizes, fixed,
+                    text=self._text(req), end=n)
+
+    def _text(self, req: Request) -> TextCut:
+        return TextCut(self.tokenizer, req.stop, self.eos_token_ids)
 
     def _generation(self, lane: Lane) -> Generation:
-        met = {"stop": False, "eos": False}
+        met = lane.text.met  # final once the lane's end is queued: the scheduler writes it before
         ref = weakref.ref(lane)
 
-        def rounds() -> Iterator[np.ndarray]:
+        def pieces() -> Iterator[Piece]:
             try:
                 while True:
                     item = lane.out.get()
@@ -443,7 +454,7 @@ class BatchSession(Prompts):
                         raise item
                     yield item
             finally:
-                lane.leave.set()  # a stop string, a close, or the end: the slot is free at the next round
+                lane.leave.set()  # a close, or the end: the slot is free at the next round
                 with self._lock:
                     self._lock.notify_all()
 
@@ -455,8 +466,7 @@ class BatchSession(Prompts):
             if held is not None:
                 held.leave.set()
 
-        pieces = text_pieces(rounds(), self.tokenizer, lane.req.stop, self.eos_token_ids, met)
-        gen = _BatchGeneration(pieces, lane.stats, finish, on_end=on_end)
+        gen = _BatchGeneration(pieces(), lane.stats, finish, on_end=on_end)
         gen.lane = lane
         return gen
 
@@ -621,6 +631,9 @@ class BatchSession(Prompts):
         except Exception as e:  # out of _lanes already: _fail would not tell its reader
             lane.out.put(e if isinstance(e, SpecdeployError) else BundleError(f"batched round failed: {e}"))
             raise
+        tail = lane.text.flush() if not lane.text.met["stop"] else None
+        if tail is not None:
+            lane.out.put(tail)
         lane.out.put(_END)
 
     # -- one round ---------------------------------------------------------------------------
@@ -803,9 +816,9 @@ class BatchSession(Prompts):
         if s.new_tokens == new.shape[0]:
             s.first_token_seconds = s.seconds
             s.first_round_tokens = s.new_tokens
-        lane.out.put(new)
+        lane.out.put(lane.text.push(new))
         self.timing["tokens"] += new.shape[0]
-        return eos is not None or s.new_tokens >= lane.req.max_new_tokens
+        return eos is not None or s.new_tokens >= lane.req.max_new_tokens or lane.text.met["stop"]
 
 
 EMPTY = np.empty(0, dtype=np.int64)

@@ -124,9 +124,53 @@ class BatchDraft:
         return self.engine.forward(tokens[None], start, first=slot, last=True, pad=False)[0, -1].copy()
 
 
+class SlotStates:
+    """One KV slot of a batched EAGLE-3 target as its lane's head reads it: the hidden states the
+    batch's passes wrote at that slot's positions (what `Eagle3Drafter` reads as `target.features`)."""
+
+    def __init__(self, target, slot: int):
+        self.target, self.slot = target, slot
+        self.name = target.name
+
+    @property
+    def features(self) -> np.ndarray:
+        return self.target.features[self.slot]
+
+
+class BatchHeads:
+    """EAGLE-3 heads for the whole batch: one head per KV slot (forks of the bundle's, each with the
+    head's own small KV buffers), reading the hidden states the batched target wrote in that slot.
+    A head follows its slot's contents: when the scheduler swaps two slots' K/V (and states), their
+    heads swap too. Each lane's head runs exactly the passes `Eagle3Drafter.propose` runs alone,
+    sampling with the lane's generator, so its proposals are the ones it would draft alone."""
+
+    def __init__(self, head, target, slots: int):
+        self.cost_ratio = head.cost_ratio
+        self.heads = [head] + [head.fork() for _ in range(slots - 1)]
+        self.views = [SlotStates(target, i) for i in range(slots)]
+        for h, view in zip(self.heads, self.views):
+            h.attach(view)
+
+    def swap(self, a: int, b: int) -> None:
+        if a == b:
+            return
+        self.heads[a], self.heads[b] = self.heads[b], self.heads[a]
+        self.views[a], self.views[b] = self.views[b], self.views[a]
+        self.views[a].slot, self.views[b].slot = a, b
+
+    def forget(self, slot: int | None = None) -> None:
+        for h in self.heads if slot is None else [self.heads[slot]]:
+            h.reset()
+
+    def propose(self, lanes: list, ks: list[int], min_confidence: list[float]) -> list[Proposal | None]:
+        """As BatchDraft.propose: lane i (in slot i) drafts up to ks[i] tokens with its slot's head."""
+        return [self.heads[i].propose(lane.ids[: lane.end], k, lane.params, lane.rng, min_confidence[i]) if k > 0
+                else None for i, (lane, k) in enumerate(zip(lanes, ks))]
+
+
 def _softmax_max(logits: np.ndarray) -> float:
     z = logits - logits.max()
     return float(1.0 / np.exp(z).sum())
 
 
-__all__ = ["BatchDraft"]
+__all__ = ["BatchDraft", "BatchHeads", "SlotStates"]

@@ -144,24 +144,44 @@ class Generation:
                 self._on_end()
 
 
-def text_pieces(rounds: Iterator[np.ndarray], tokenizer: Tokenizer, stop, eos_token_ids, met: dict) -> Iterator[Piece]:
-    """A generation's committed tokens, round by round, as text pieces (valid UTF-8 each), cut
-    at the first stop string; `met` records whether the rounds met a stop string or an EOS
-    (the finish reason's facts)."""
-    stops = StopMatcher(list(stop))
-    text = TextStream(tokenizer)
+class TextCut:
+    """A generation's committed tokens as text pieces (valid UTF-8 each), cut at the first stop
+    string; `met` records whether they met a stop string or an EOS (the finish reason's facts).
+    Fed in the thread that runs the rounds, so a stop string ends the generation in the round
+    that meets it."""
+
+    def __init__(self, tokenizer: Tokenizer, stop, eos_token_ids):
+        self.stops = StopMatcher(list(stop))
+        self.text = TextStream(tokenizer)
+        self.eos_token_ids = eos_token_ids
+        self.met = {"stop": False, "eos": False}
+
+    def push(self, new: np.ndarray) -> Piece:
+        """A round's tokens as a piece; after it, `met["stop"]` says whether the text ends here."""
+        self.met["eos"] = int(new[-1]) in self.eos_token_ids  # a round ends at its first EOS
+        out, self.met["stop"] = self.stops.feed(self.text.push(new))
+        return Piece(out, new.tolist())
+
+    def flush(self) -> Piece | None:
+        """The text held back (an incomplete character, a possible stop string's start) once the
+        rounds have ended without a stop string; None if there is none."""
+        out, self.met["stop"] = self.stops.feed(self.text.flush())
+        out += "" if self.met["stop"] else self.stops.flush()
+        return Piece(out, []) if out else None
+
+
+def text_pieces(rounds: Iterator[np.ndarray], cut: TextCut) -> Iterator[Piece]:
+    """A generation's rounds as text pieces, through `cut`: closed at its first stop string."""
     for new in rounds:
-        met["eos"] = int(new[-1]) in eos_token_ids  # the loop's last round ends at its first EOS
-        out, met["stop"] = stops.feed(text.push(new))
-        if met["stop"]:
+        piece = cut.push(new)
+        if cut.met["stop"]:
             rounds.close()
-            yield Piece(out, new.tolist())
+            yield piece
             return
-        yield Piece(out, new.tolist())
-    out, met["stop"] = stops.feed(text.flush())
-    out += "" if met["stop"] else stops.flush()
-    if out:
-        yield Piece(out, [])
+        yield piece
+    last = cut.flush()
+    if last is not None:
+        yield last
 
 
 class Prompts:
@@ -389,11 +409,11 @@ class Session(Prompts):
         settings = DecodeSettings(max_new_tokens, self.eos_token_ids, self.bundle.prefill_chunk, params, lengths, tree,
                                   None if req.private else self.cache)
         rounds = decode(self.target, drafter, ids, settings, stats)
-        met = {"stop": False, "eos": False}  # what the rounds met, for the finish reason
-        pieces = functools.partial(text_pieces, rounds, self.tokenizer, stop, settings.eos_token_ids, met)
+        cut = TextCut(self.tokenizer, stop, settings.eos_token_ids)
+        pieces = functools.partial(text_pieces, rounds, cut)
 
         def finish(cancelled: bool) -> str:
-            return finish_reason(cancelled=cancelled, **met)
+            return finish_reason(cancelled=cancelled, **cut.met)
 
         on_end = self._busy.release
         if req.private and self.drafter is not None:

@@ -16,9 +16,42 @@ import weakref
 from pathlib import Path
 from typing import Callable
 
+from specdeploy.core.manifest import Bundle, memory_budget
 from specdeploy.runtime.decoding.admission import POLL_SECONDS, Cancelled, Overloaded, QueueTimeout
 from specdeploy.runtime.decoding.request import Request
 from specdeploy.runtime.decoding.session import Generation, Result, Session
+
+
+DEFAULT_BATCH = 8  # what `serve` and a Triton instance batch when told neither --batch nor --workers
+
+
+def default_batch(bundle: Bundle, backend: str = "ort", device: str | None = None, trt_ep: bool = False,
+                  budget: int | None = None) -> tuple[int | None, str]:
+    """What a server runs when its user chose neither a batch nor a pool: continuous batching
+    of up to DEFAULT_BATCH requests (fewer where the bundle's graphs, or half this machine's
+    memory, hold fewer KV slots), or one session at a time where the bundle cannot batch.
+    -> (the batch, None for one session; why, in words).
+
+    The batch, not a pool, is the default: at one stream it decodes level with a session (the
+    same rounds), and from two streams on every request shares each pass
+    (results/batching/README.md). One session is kept where a batch lacks what the bundle
+    needs: ONNX Runtime on a GPU or TensorRT (batched passes run on ONNX Runtime's CPU and on
+    the torch backend; an EAGLE-3 head's on ONNX Runtime's CPU only), or graphs that carry one
+    sequence a pass (exported with --max-batch 1, or before batching)."""
+    if bundle.draft_kind == "eagle3" and backend != "ort":
+        return None, f"its EAGLE-3 head batches on ONNX Runtime's CPU, not {backend}"
+    on_gpu = device is not None and not str(device).startswith("cpu")
+    if backend == "trt" or (backend == "ort" and (on_gpu or trt_ep)):
+        return None, f"batched passes run on ONNX Runtime's CPU or the torch backend, not {backend}" + (
+            f" on {device}" if on_gpu else "")
+    if bundle.max_batch < 2:
+        return None, "its graphs carry one sequence a pass (re-export with --max-batch 8 to batch)"
+    per_slot = bundle.manifest.kv_bytes()
+    budget = memory_budget() if budget is None else budget
+    n = min(DEFAULT_BATCH, bundle.max_batch, budget // max(per_slot, 1))
+    if n < 2:
+        return None, f"two KV slots ({2 * per_slot / 2**30:.1f} GiB) do not fit half this machine's memory"
+    return n, f"batches of up to {n}"
 
 
 class SessionPool:

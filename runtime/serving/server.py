@@ -1,5 +1,6 @@
-"""`specdeploy serve`: an OpenAI-compatible HTTP server over a SessionPool, or with `--batch` a
-BatchSession (continuous batching: every running request in one pass per round).
+"""`specdeploy serve`: an OpenAI-compatible HTTP server over a BatchSession (continuous
+batching: every running request in one pass per round), by default where the bundle batches,
+or over a SessionPool (`--workers`, and bundles a batch cannot run: `running`).
 
 POST /v1/completions and /v1/chat/completions (with `stream: true` as server-sent
 events), GET /health, GET /metrics (Prometheus text). Built on Starlette and uvicorn.
@@ -47,12 +48,12 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from specdeploy.core.errors import InputError, SpecdeployError
-from specdeploy.core.manifest import load_bundle
+from specdeploy.core.manifest import Bundle, load_bundle
 from specdeploy.runtime.decoding.request import (
     NUMBER, SETTINGS, Limits, Message, Request, RequestError, validate, wire_labels, wire_names,
 )
 from specdeploy.runtime.decoding.batch import BatchSession
-from specdeploy.runtime.serving.pool import Cancelled, Overloaded, QueueTimeout, SessionPool
+from specdeploy.runtime.serving.pool import Cancelled, Overloaded, QueueTimeout, SessionPool, default_batch
 
 log = logging.getLogger("specdeploy.server")
 
@@ -600,6 +601,19 @@ def _usage(stats) -> dict:
             "prompt_tokens_details": {"cached_tokens": stats.cached_tokens}}  # reused from the prompt cache
 
 
+def running(bundle: Bundle, workers: int | None, batch: int | None, device: str | None = None,
+            trt_ep: bool = False) -> tuple[int, int | None, str]:
+    """What a server runs: `batch` N (continuous batching), `workers` N (a pool of sessions), or,
+    told neither, continuous batching where the bundle batches (pool.default_batch).
+    -> (workers, batch or None, in words)."""
+    if batch:
+        return 1, batch, f"batches of up to {batch}"
+    if workers is not None:
+        return workers, None, f"{workers} session(s)"
+    batch, why = default_batch(bundle, "ort", device, trt_ep)
+    return 1, batch, why if batch else f"1 session: {why}"
+
+
 class _Draining(uvicorn.Server):
     """uvicorn, draining as the module docstring says: on the signal it keeps listening (so a
     new request gets its 503, not a refused connection) while the requests in flight finish,
@@ -621,7 +635,7 @@ class _Draining(uvicorn.Server):
         await super().shutdown(sockets)
 
 
-def serve(bundle: str, host: str = "127.0.0.1", port: int = 8000, workers: int = 1, max_queue: int = 8,
+def serve(bundle: str, host: str = "127.0.0.1", port: int = 8000, workers: int | None = None, max_queue: int = 8,
           threads: int | None = None, model_name: str | None = None, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
           graceful_seconds: float = DEFAULT_GRACEFUL_SECONDS, queue_timeout: float | None = None,
           max_prompt_chars: int | None = None, device: str | None = None, trt_ep: bool = False,
@@ -631,10 +645,11 @@ def serve(bundle: str, host: str = "127.0.0.1", port: int = 8000, workers: int =
     ("sha256:...", as `specdeploy inspect` prints it): the bundle must be that one; any other
     is refused (BundleError, one line) before the sessions load and before listening. /health
     states the digest served. `batch` N: continuous batching (runtime/decoding/batch.py), up to N
-    requests in one pass per round, instead of a pool of `workers` sessions."""
-    if digest is not None:  # the manifest alone, at once: another bundle is refused before anything loads
-        load_bundle(bundle, verify=False, digest=digest)
-    # and each session's load compares it again, so a manifest changed in between is refused too
+    requests in one pass per round; `workers` N: a pool of N sessions instead; neither: what
+    `running` chooses (pool.default_batch)."""
+    manifest = load_bundle(bundle, verify=False, digest=digest)  # the manifest alone: another bundle is refused at once
+    # and the sessions' load compares it again, so a manifest changed in between is refused too
+    workers, batch, _ = running(manifest, workers, batch, device, trt_ep)
     if batch:
         pool = BatchSession(bundle, batch=batch, max_queue=max_queue, threads=threads, wait_seconds=queue_timeout,
                             device=device, digest=digest)

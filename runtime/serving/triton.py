@@ -39,6 +39,7 @@ from specdeploy.core.choices import BACKENDS, GPU_BACKENDS  # ort runs on the CP
 from specdeploy.core.errors import BundleError, InputError, SpecdeployError
 from specdeploy.core.manifest import MANIFEST, Bundle, load_bundle
 
+from specdeploy.runtime.serving.pool import default_batch
 from specdeploy.runtime.decoding.request import (
     SETTINGS, STRINGS, Limits, Request, validate, wire_labels, wire_names,
 )
@@ -145,16 +146,18 @@ def write_repository(bundle: str | Path, out: str | Path, name: str | None = Non
     temporary folder beside OUT and moved into place, or not at all. `replace`: an OUT/NAME
     that is a model folder specdeploy wrote is replaced; anything else there is never touched.
     `batch` N: each instance runs continuous batching (runtime/decoding/batch.py), up to N
-    requests in one pass per round, the rest of its queue waiting for a slot.
+    requests in one pass per round, the rest of its queue waiting for a slot; 0: one request at
+    a time; None: as `serve` chooses (pool.default_batch).
     """
     bundle, out = Path(bundle), Path(out)
     name = name if name is not None else bundle.resolve().name
     problems = setting_problems(name, (instances,), max_queue, backend, threads) + batch_problems(
-        "" if batch is None else str(batch), backend)
+        "" if not batch else str(batch), backend)
     if problems:
         raise InputError(problems[0])
     _check_out(out)
     source = load_bundle(bundle, verify=True)  # a broken bundle never becomes a repository
+    batch = default_batch(source, backend)[0] if batch is None else batch or None
     if batch is not None and batch > source.max_batch:
         raise InputError(f"--batch {batch}: {bundle}'s graphs carry at most {source.max_batch} sequences a pass "
                          f"(re-export with --max-batch {batch})")
@@ -618,7 +621,8 @@ def check_model(model_dir: Path) -> tuple[list[str], str]:
             continue
         instances = sum(g.count for g in config.instance_group)
         summary = (f"{model_dir.name}: bundle {bundle.path} (max_seq {bundle.max_seq}, {bundle.digest}), "
-                   f"backend {settings.backend}, {instances} instance(s), queue {queue}")
+                   f"backend {settings.backend}, {instances} instance(s), "
+                   f"{f'batches of up to {settings.batch}, ' if settings.batch else ''}queue {queue}")
     return problems, summary
 
 

@@ -16,7 +16,7 @@ def describe(bundle: Bundle) -> str:
         f"sequence    max {m.max_seq} tokens (prompt + new), draft up to {m.max_draft} per round, "
         f"prefill chunk {m.prefill_chunk}",
         f"batch       up to {m.max_batch} sequences a pass"
-        + (" (serve --batch)" if m.max_batch > 1 else " (exported before batched passes)"),
+        + (" (serve batches)" if m.max_batch > 1 else " (exported before batched passes)"),
         f"memory      {m.kv_cost()}",
         f"draft       {m.draft.kind}: {drafter_class(m.draft.kind).describe(m.draft)}",
     ]
