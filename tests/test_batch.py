@@ -66,6 +66,53 @@ def test_every_request_in_a_batch_equals_it_alone(bundles, name):
         batched.close()
 
 
+def test_token_trees_in_a_batch_beside_chains_answer_each_request_as_alone(bundles):
+    """A suffix bundle over an exact float target verifies token trees in a batch: greedy auto
+    lanes (the batch's policy prunes each lane's tree to the pass's width), a sampled lane with its
+    own tree policy, a pinned tree size, beside a pinned chain and plain decoding, joining as others
+    leave: each request's tokens are Session's alone. Trees with branches were verified, and
+    accepted paths off the main chain moved their K/V within their lane's slot."""
+    bundle = bundles("llama-suffix")
+    kinds = [dict(), dict(temperature=0.8, seed=3, private=True), dict(tree_nodes=6), dict(draft_len=3),
+             dict(speculate=False), dict(tree_nodes=6, draft_len=2)]
+    work = [(p, dict(kinds[i % len(kinds)], max_new_tokens=30 + 7 * (i % 3))) for i, p in enumerate(tiny.PROMPTS)]
+    want = solo(bundle, work)
+    batched = BatchSession(bundle, batch=4, max_queue=32)
+    moved = []
+    move = batched.target.move_kv
+    batched.target.move_kv = lambda *a: (moved.append(a), move(*a))
+    try:
+        results = [None] * len(work)
+
+        def run(i):
+            p, kw = work[i]
+            results[i] = batched.generate(p, **kw)
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(len(work))]
+        for t in threads:
+            t.start()
+            time.sleep(0.002)
+        for t in threads:
+            t.join()
+        assert [r.token_ids for r in results] == want
+        assert any(any(n > 1 for n in r.stats.tree_sizes) for r in results)  # trees, not only chains, verified
+        assert moved  # some accepted path left the main chain
+    finally:
+        batched.close()
+
+
+def test_a_tree_size_the_bundle_cannot_verify_is_refused_in_a_batch_as_alone(bundles):
+    """tree_nodes N >= 2 on a bundle whose drafter proposes no trees: the one-line refusal Session gives."""
+    batched = BatchSession(bundles("llama-ngram"), batch=2)
+    try:
+        with pytest.raises(InputError, match="cannot verify token trees"):
+            batched.generate(tiny.PROMPTS[0], max_new_tokens=5, tree_nodes=4)
+        with pytest.raises(InputError, match="cannot verify token trees"):
+            Session(bundles("llama-ngram")).generate(tiny.PROMPTS[0], max_new_tokens=5, tree_nodes=4)
+    finally:
+        batched.close()
+
+
 def _started(batched, work):
     """Start each request in a thread, in order; return once all wait (under `hold`) or run."""
     gens = [None] * len(work)
@@ -185,7 +232,8 @@ class Repeats:
     """A drafter that always proposes k tokens (its last token again): every round of a lane that
     drafts with it is as wide as its draft length allows."""
 
-    keeps_history = False
+    keeps_history = proposes_trees = False
+    engine = None  # model-free: a lookup, as the drafters declare
 
     def fork(self):
         return Repeats()
@@ -444,6 +492,55 @@ def test_servers_batch_by_default_where_the_bundle_and_the_memory_allow(copy_of)
     (path / "manifest.json").write_text(json.dumps(manifest))
     batch, why = default_batch(load_bundle(path, verify=False))
     assert batch is None and "one sequence a pass" in why
+
+
+class Forks(Repeats):
+    """A model-free drafter whose trees have two branches: the last token twice, and the one before
+    it twice (Repeats' chains for lanes that draft chains)."""
+
+    proposes_trees = True
+
+    def fork(self):
+        return Forks()
+
+    def propose_tree(self, ids, room, max_depth):
+        from specdeploy.runtime.decoding.tree import DraftTree
+
+        a, b = int(ids[-1]), int(ids[-2])
+        n = min(room, 4)
+        return DraftTree(np.array([a, a, b, b])[:n], np.array([-1, 0, -1, 2])[:n], np.array([0.9, 0.8, 0.7, 0.6])[:n])
+
+
+def test_a_tree_lane_near_the_end_of_the_buffer_pads_before_its_tree(bundles):
+    """A tree lane with no room after its rows for the pass's width (a chain lane beside it drafts 8):
+    its own tokens are recomputed before the root, its tree laid out after them, and its output is
+    still its own."""
+    bundle = bundles("llama-ngram")  # an exact fp32 target: it verifies trees
+    from conftest import MAX_SEQ
+
+    session = Session(bundle, prompt_cache=False)
+    long_ids = session.encode(" ".join(tiny.PROMPTS) * 2)[: MAX_SEQ - 12]
+    work = [(None, dict(prompt_ids=long_ids, max_new_tokens=12, tree_nodes=4)),
+            (tiny.PROMPTS[13], dict(max_new_tokens=40, draft_len=8))]
+    want = [session.generate(prompt_ids=long_ids, max_new_tokens=12, speculate=False).token_ids,
+            session.generate(tiny.PROMPTS[13], max_new_tokens=40, speculate=False).token_ids]
+    batched = BatchSession(bundle, batch=2)
+    batched.drafter = Forks()
+    laid = []  # each tree pass's row offsets
+    forward = batched.target.forward
+    batched.target.forward = lambda tokens, starts, **kw: (
+        laid.extend(x.offsets.tolist() for x in kw.get("layouts") or [] if x is not None), forward(tokens, starts, **kw))[1]
+    try:
+        with batched.hold():
+            threads, gens = _started(batched, work)
+        for t in threads:
+            t.join()
+        assert [collect(g) for g in gens] == want
+        # recomputed rows at consecutive positions before the root, then the tree (offsets fall back):
+        # unpadded, a tree's rows start [0, 1, 2, 1] here
+        assert any(o[:4] == [0, 1, 2, 3] and o[-1] < len(o) - 1 for o in laid), laid
+    finally:
+        batched.close()
 
 
 def test_a_burst_gets_every_place_the_batch_and_its_queue_offer(bundles):

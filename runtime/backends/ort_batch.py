@@ -21,11 +21,12 @@ import numpy as np
 import onnxruntime as ort
 
 from specdeploy.core.errors import BundleError, InputError
-from specdeploy.core.graph_io import AUX_HIDDEN, LOGITS_ROWS, check_pass, fill_mask
+from specdeploy.core.graph_io import AUX_HIDDEN, LOGITS_ROWS, check_pass, fill_mask, fill_tree_mask
 from specdeploy.core.manifest import ModelSpec
 
-from .ort import Placement, _load, _reason, no_bfloat16
+from .ort import Placement, _load, _reason, no_bfloat16, tree_capable
 from specdeploy.core.choices import NUMPY_DTYPES
+from specdeploy.runtime.decoding.tree import TreeLayout
 
 
 def batch_dim(session: ort.InferenceSession) -> int | str:
@@ -64,6 +65,7 @@ class OrtBatchEngine:
         self.features = np.zeros((max_batch, max_seq, width), np.float32) if width else None
         self._states = np.zeros((max_batch, 1, width or 1), np.float32)  # a pass's rows, grown on demand
         self.padding_floor = None  # its passes carry no padding lanes (TorchBatchEngine's do)
+        self.trees = tree_capable(spec, Placement())  # verifies token trees: forward(layouts=), move_kv
         self.runs = 0  # passes begun (the Engine contract's counter)
         self.rows = 0  # rows computed, padding included
 
@@ -85,11 +87,13 @@ class OrtBatchEngine:
         return binding
 
     def forward(self, tokens: np.ndarray, starts: np.ndarray, first: int = 0, last: bool = False,
-                pad: bool = True) -> np.ndarray:
+                pad: bool = True, layouts: "list[TreeLayout | None] | None" = None) -> np.ndarray:
         """tokens [B, T] written at slots first..first+B-1, sequence b at positions starts[b]..
         starts[b]+T-1 -> logits [B, T, V] (`last`: [B, 1, V], each sequence's last row only).
         The array is this engine's buffer: valid until the next pass. (`pad`: unused here: no
-        pass is padded.)"""
+        pass is padded.) `layouts` (engines whose `trees` is True): sequence b's rows as a tree
+        where layouts[b] is not None: row i at position starts[b] + offsets[i], seeing the slots
+        before starts[b] and the pass's rows `visible[i]` marks (runtime/decoding/tree.py)."""
         tokens = np.ascontiguousarray(tokens, dtype=np.int64)
         starts = np.ascontiguousarray(starts, dtype=np.int64)
         b, t = tokens.shape
@@ -100,9 +104,16 @@ class OrtBatchEngine:
             check_pass(self.name, tokens[i], int(starts[i]), self.max_seq, self.vocab_size)
         window = int(starts.max()) + t
         mask = np.empty((b, 1, t, window), np.float32)
-        for i in range(b):
-            fill_mask(mask[i, 0], int(starts[i]), self.spec.sliding_window)
         positions = starts[:, None] + np.arange(t, dtype=np.int64)
+        for i in range(b):
+            layout = layouts[i] if layouts is not None else None
+            if layout is None:
+                fill_mask(mask[i, 0], int(starts[i]), self.spec.sliding_window)
+            elif not self.trees:
+                raise InputError(f"{self.name}: this graph does not verify token trees")
+            else:
+                fill_tree_mask(mask[i, 0], int(starts[i]), layout.visible)
+                positions[i] = starts[i] + layout.offsets
         rows = 1 if last else t
         width = self.spec.logits_width
         if self._logits.size < b * rows * width:
@@ -134,6 +145,13 @@ class OrtBatchEngine:
                 at = int(starts[i])
                 self.features[first + i, at : at + t] = states[i]
         return logits
+
+    def move_kv(self, slot: int, source: np.ndarray, start: int) -> None:
+        """In `slot`, copy the K/V at positions `source` [m] to start..start+m-1 (a tree round's
+        accepted path into the slots a chain would have used); sources are read first."""
+        for buffer in self.kv:
+            kv = buffer[slot]  # [Hkv, S, D] (buffer[slot, :, source] would put the indexed axis first)
+            kv[:, start : start + source.shape[0]] = kv[:, source]
 
     def swap(self, a: int, b: int, length_a: int, length_b: int) -> None:
         """Exchange the K/V of slots a and b: the first length_a slots of a's, length_b of b's."""

@@ -47,14 +47,14 @@ from specdeploy.runtime.decoding.batch_draft import BatchDraft, BatchHeads
 from specdeploy.runtime.decoding.drafters import Proposal, drafter_class, make_drafter
 from specdeploy.runtime.decoding.drafters.model import static_cost_ratio
 from specdeploy.runtime.decoding.engine import Checked
-from specdeploy.runtime.decoding.loop import check_finite
+from specdeploy.runtime.decoding.loop import EMPTY_TREE, check_finite
 from specdeploy.runtime.decoding.policy import DraftLength, PassCost, Probes, TreeSize
 from specdeploy.runtime.decoding.request import Request
 from specdeploy.runtime.decoding.sampling import SamplingParams
-from specdeploy.runtime.decoding.session import Generation, Piece, Prompts, Result, Session, TextCut
+from specdeploy.runtime.decoding.session import Generation, Piece, Prompts, Result, Session, TextCut, tree_sizes
 from specdeploy.runtime.decoding.stats import Round, Stats, finish_reason
 from specdeploy.runtime.decoding.tokenizer import Tokenizer
-from specdeploy.runtime.decoding.tree import DraftTree
+from specdeploy.runtime.decoding.tree import DraftTree, TreeLayout
 
 log = logging.getLogger("specdeploy.runtime")
 
@@ -207,9 +207,10 @@ class Lane:
     params: SamplingParams
     rng: np.random.Generator
     drafter: object | None  # a fork of the bundle's model-free drafter, or the batch's BatchDraft; None: plain
-    sizes: TreeSize | None  # per-rank acceptance (greedy auto), or a sampled lane's own policy
-    fixed: int | None  # a pinned draft length
+    sizes: TreeSize | None  # per-rank acceptance (greedy auto), or the lane's own policy (sampled, pinned trees)
+    fixed: int | None  # a pinned draft length (of chain rounds)
     lengths: DraftLength | None = None  # a model draft's: its own policy (sampled), its acceptance (greedy)
+    depth: int = 0  # a lookup's longest chain, a tree's deepest node
     text: TextCut | None = None  # its text so far, cut at its stop strings: a stop string ends the lane
     stats: Stats = field(default_factory=Stats)
     out: "queue.SimpleQueue" = field(default_factory=queue.SimpleQueue)
@@ -236,7 +237,14 @@ class Lane:
 
     @property
     def greedy_auto(self) -> bool:
-        return self.params.greedy and self.drafter is not None and self.fixed is None
+        """Greedy, its drafts sized by the batch's policy (not pinned: neither k nor a tree size)."""
+        return self.params.greedy and self.drafter is not None and self.fixed is None and \
+            (self.sizes is None or self.sizes.fixed is None)
+
+    @property
+    def trees(self) -> bool:
+        """Verifies token trees (not a lookup's chains)."""
+        return self.sizes is not None and not self.sizes.chains
 
 
 _END = object()  # the lane's queue: no more rounds
@@ -293,6 +301,7 @@ class BatchSession(Prompts):
         self.prompt_cache = prompt_cache
         self.policy = BatchPolicy(b.max_draft)
         self._auto: TreeSize | None = None  # the last greedy auto lane's estimates: the next starts from them
+        self._auto_tree: TreeSize | None = None  # the same for tree lanes
         self._auto_lengths: DraftLength | None = None  # the same for a model draft's lanes
         self._lock = threading.Condition()
         self._pending: list[Lane] = []  # admitted to wait, not yet in a slot
@@ -428,14 +437,16 @@ class BatchSession(Prompts):
         if drafter is not None and drafter.keeps_history:
             drafter.private = req.private
         sizes = None
-        if drafter is not None and fixed is None:
-            # greedy: per-rank acceptance for the batch's policy; sampled: the lane's own chain policy,
-            # exactly the one a Session runs for it alone (TreeSize over a lookup's chains, unmeasured)
-            sizes = TreeSize(max_draft, measure=False, chains=True)
-            if params.greedy:
-                _carry(sizes, self._auto)
-        return Lane(req, ids, n, params, np.random.default_rng(params.seed), drafter, sizes, fixed,
-                    text=self._text(req), end=n)
+        if drafter is not None:
+            # Session's tree policy for the request: greedy auto lanes keep their per-rank acceptance
+            # for the batch's policy; sampled and pinned ones run it exactly as a Session alone
+            capable = drafter.proposes_trees and self.target.trees
+            sizes = tree_sizes(req.tree_nodes, req.draft_len, drafter, params, capable, self.bundle, None)
+            if sizes is not None and params.greedy:
+                _carry(sizes, self._auto if sizes.chains else self._auto_tree)
+        depth = max_draft if fixed is None or sizes is None or sizes.chains else fixed
+        return Lane(req, ids, n, params, np.random.default_rng(params.seed), drafter, sizes,
+                    fixed if sizes is None else None, text=self._text(req), end=n, depth=depth)
 
     def _text(self, req: Request) -> TextCut:
         return TextCut(self.tokenizer, req.stop, self.eos_token_ids)
@@ -626,6 +637,8 @@ class BatchSession(Prompts):
             if lane.greedy_auto:  # what it measured: the next greedy lane starts from it
                 if lane.lengths is not None:
                     self._auto_lengths = lane.lengths
+                elif lane.trees:
+                    self._auto_tree = lane.sizes
                 else:
                     self._auto = lane.sizes
         except Exception as e:  # out of _lanes already: _fail would not tell its reader
@@ -639,8 +652,8 @@ class BatchSession(Prompts):
     # -- one round ---------------------------------------------------------------------------
     def _plan(self, lane: Lane, look: bool = True) -> int:
         """The lane's drafts for this round, looked up on the host: what it verifies at least
-        (its own choice), and for a greedy auto lane its candidates in `lane.tokens` (none
-        unless `look`: the batch's policy rests on plain steps)."""
+        (its own choice), and for a greedy auto lane its candidates in `lane.tokens` (a chain, or
+        a tree in `lane.tree`; none unless `look`: the batch's policy rests on plain steps)."""
         wanted = lane.req.max_new_tokens - (lane.end - lane.n)
         most = wanted - 1
         ids = lane.ids[: lane.end]
@@ -648,22 +661,25 @@ class BatchSession(Prompts):
         lane.tokens = EMPTY
         if lane.drafter is None or most <= 0:
             return 0
-        if lane.fixed is not None:  # a pinned k, as Session's chain round
+        if lane.sizes is None:  # a pinned k, as Session's chain round
             k = min(lane.fixed, most)
             lane.tokens = lane.drafter.propose(ids, k, lane.params, lane.rng).tokens if k > 0 else EMPTY
             return lane.tokens.shape[0]
-        max_depth = min(self.bundle.max_draft, most)
-        room = min(lane.sizes.max_nodes, self.bundle.max_seq - lane.end)
-        chain = EMPTY
-        if lane.params.greedy and not look:
+        if lane.greedy_auto and not look:
             return 0
-        if max_depth > 0 and room > 0:
-            chain = lane.drafter.propose(ids, min(room, max_depth), lane.params, lane.rng).tokens
-        if lane.params.greedy:
-            lane.tokens = chain
+        max_depth = min(lane.depth, most)
+        room = min(lane.sizes.max_nodes, self.bundle.max_seq - lane.end)  # node i at slot end + i
+        if max_depth <= 0 or room <= 0:
+            candidates = EMPTY_TREE
+        elif lane.sizes.chains:
+            candidates = DraftTree.chain(lane.drafter.propose(ids, min(room, max_depth), lane.params, lane.rng).tokens)
+        else:
+            candidates = lane.drafter.propose_tree(ids, room, max_depth)
+        if lane.greedy_auto:  # the batch's policy chooses how much of it to verify
+            lane.tree = candidates if lane.trees else None
+            lane.tokens = candidates.tokens
             return 0
-        # sampled: the lane's own policy sizes its chain, as Session's round does alone
-        candidates = DraftTree.chain(chain)
+        # its own policy sizes it, as Session's round does alone
         lane.tree = candidates.prune(lane.sizes.choose(candidates.probs, candidates.size))
         lane.tokens = lane.tree.tokens
         return lane.tokens.shape[0]
@@ -710,16 +726,21 @@ class BatchSession(Prompts):
             look = bool(auto) and (max(least) > 0 or self.policy.looks(b))  # rows the others pad are free to fill
             for lane in auto:
                 self._plan(lane, look)
-            chains = [(lane.tokens.shape[0], lane.sizes.estimates(None, lane.tokens.shape[0])) for lane in auto] if look else []
+            chains = [(lane.tokens.shape[0], lane.sizes.estimates(lane.tree.probs if lane.tree is not None else None,
+                                                                  lane.tokens.shape[0])) for lane in auto] if look else []
             t = self.policy.choose(b, 1 + max(least), chains)
         verified = []
         for lane in lanes:
-            if lane.greedy_auto:
+            if lane.greedy_auto and lane.tree is not None:  # the tree's t - 1 best nodes
+                lane.tree = lane.tree.prune(t - 1)
+                lane.tokens = lane.tree.tokens
+            elif lane.greedy_auto:
                 lane.tokens = lane.tokens[: t - 1]
             verified.append(lane.tokens.shape[0])
         rows = np.empty((b, t), dtype=np.int64)
         starts = np.empty(b, dtype=np.int64)
         offsets = []
+        layouts: list[TreeLayout | None] = [None] * b
         for i, lane in enumerate(lanes):
             r = 1 + verified[i]
             start = lane.end - 1
@@ -736,8 +757,11 @@ class BatchSession(Prompts):
                 rows[i, shift + 1 :] = lane.tokens
                 starts[i] = start - shift
                 offsets.append(shift)
+            if lane.tree is not None and lane.trees and lane.tree.size and not lane.tree.is_chain():
+                layouts[i] = pass_layout(lane.tree, t, offsets[-1])
+        trees = {"layouts": layouts} if any(x is not None for x in layouts) else {}
         t0 = time.perf_counter()
-        logits = self.target.forward(rows, starts, pad=self._may_pad(b))
+        logits = self.target.forward(rows, starts, pad=self._may_pad(b), **trees)
         seconds = time.perf_counter() - t0
         self.rounds += 1
         drafted, accepted = False, 0
@@ -780,11 +804,15 @@ class BatchSession(Prompts):
         start = lane.end - 1
         tokens = logits.argmax(axis=-1) if lane.params.greedy else None
         check_finite(self.target, logits, start, tokens)
-        if lane.tree is not None:  # a sampled lane's chain, judged as Session's round judges it
+        if lane.tree is not None:  # a tree, or a chain its own policy sized: judged as Session's round judges it
             path, token = accept_path(lane.tree, logits, tokens, lane.params, lane.rng)
-            record = Round(lane.tree.size, len(path), seconds, chosen=lane.tree.size, path=tuple(path),
-                           scores=lane.tree.probs)
-            lane.sizes.update(record)
+            if path != list(range(len(path))):  # off the main chain: the path's K/V into a chain's slots
+                self.target.move_kv(lane.slot, lane.end + np.asarray(path, dtype=np.int64), lane.end)
+            trees = lane.trees
+            record = Round(lane.tree.size, len(path), seconds, chosen=None if trees else lane.tree.size, tree=trees,
+                           path=tuple(path), scores=lane.tree.probs)
+            lane.sizes.update(record if not lane.greedy_auto else
+                              Round(lane.tree.size, len(path), 0.0, tree=trees, path=tuple(path), scores=lane.tree.probs))
             return np.append(lane.tree.tokens[path], token), record
         drafts, p = lane.tokens, lane.proposal
         n_accepted, token = accept_chain(Checked(drafts, p.probs if p is not None else None, logits, tokens),
@@ -822,6 +850,21 @@ class BatchSession(Prompts):
 
 
 EMPTY = np.empty(0, dtype=np.int64)
+
+
+def pass_layout(tree: DraftTree, t: int, shift: int) -> TreeLayout:
+    """A tree lane's T rows of a batched pass: `shift` of its own tokens recomputed before the
+    root (a lane with no room after its rows), the root and the tree's nodes as the tree lays them
+    out, then padding rows that see only the context and themselves (their rows are not read)."""
+    tree_layout = tree.layout()
+    r = tree_layout.offsets.shape[0]
+    offsets = np.arange(t, dtype=np.int64)
+    visible = np.eye(t, dtype=bool)
+    visible[:shift, :shift] = np.tril(np.ones((shift, shift), dtype=bool))
+    offsets[shift : shift + r] = shift + tree_layout.offsets
+    visible[shift : shift + r, :shift] = True
+    visible[shift : shift + r, shift : shift + r] = tree_layout.visible
+    return TreeLayout(offsets, visible)
 
 
 def _carry(sizes: TreeSize, earlier: TreeSize | None) -> None:

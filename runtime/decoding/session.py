@@ -433,25 +433,7 @@ class Session(Prompts):
         return self.drafter is not None and self.drafter.proposes_trees and self.target.trees
 
     def _tree_policy(self, tree_nodes, draft_len, drafter, params: SamplingParams) -> TreeSize | None:
-        """The tree policy of a request: tree rounds, or a model-free drafter's chains under auto
-        (looked up before their length is chosen); None for chain rounds DraftLength sizes."""
-        auto = tree_nodes in (None, "auto")
-        n = None if auto else tree_nodes  # in [1, the limit]: the request schema checked it
-        draft_auto = draft_len in (None, "auto")
-        if n == 1 or (auto and not draft_auto) or (auto and not self.tree_capable()):
-            if draft_auto and drafter.engine is None:
-                # a model-free drafter's chains: look up first, then choose how much to verify
-                return TreeSize(self.bundle.max_draft, measure=params.greedy, chains=True).carry_from(self._auto_tree)
-            return None
-        if not self.tree_capable():
-            raise InputError(
-                f"tree nodes {n}: this bundle cannot verify token trees (its draft kind is {self.bundle.draft_kind!r}: "
-                "trees need --draft suffix, and a target that is an exact-attention float graph on the ort "
-                "backend's CPU or on the torch backend): use --tree-nodes 1 or auto"
-            )
-        if auto:
-            return TreeSize(MAX_TREE_NODES, measure=params.greedy).carry_from(self._auto_tree)
-        return TreeSize(n, fixed=n)
+        return tree_sizes(tree_nodes, draft_len, drafter, params, self.tree_capable(), self.bundle, self._auto_tree)
 
     def generate(self, prompt: str | None = None, **kwargs) -> Result:
         return self.collect(self.stream(prompt, **kwargs))
@@ -463,6 +445,31 @@ class Session(Prompts):
             texts.append(piece.text)
             ids += piece.token_ids
         return Result("".join(texts), ids, gen.stats)
+
+
+def tree_sizes(tree_nodes, draft_len, drafter, params: SamplingParams, capable: bool, bundle: Bundle,
+               earlier: TreeSize | None) -> TreeSize | None:
+    """The tree policy of a request (Session's rounds and a batch's lanes): tree rounds (`capable`:
+    a drafter that proposes trees, a target that verifies them), or a model-free drafter's chains
+    under auto (looked up before their length is chosen); None for chain rounds DraftLength sizes.
+    `earlier`: the last greedy generation's policy of the same kind, which a greedy one starts from."""
+    auto = tree_nodes in (None, "auto")
+    n = None if auto else tree_nodes  # in [1, the limit]: the request schema checked it
+    draft_auto = draft_len in (None, "auto")
+    if n == 1 or (auto and not draft_auto) or (auto and not capable):
+        if draft_auto and drafter.engine is None:
+            # a model-free drafter's chains: look up first, then choose how much to verify
+            return TreeSize(bundle.max_draft, measure=params.greedy, chains=True).carry_from(earlier)
+        return None
+    if not capable:
+        raise InputError(
+            f"tree nodes {n}: this bundle cannot verify token trees (its draft kind is {bundle.draft_kind!r}: "
+            "trees need --draft suffix, and a target that is an exact-attention float graph on the ort "
+            "backend's CPU or on the torch backend): use --tree-nodes 1 or auto"
+        )
+    if auto:
+        return TreeSize(MAX_TREE_NODES, measure=params.greedy).carry_from(earlier)
+    return TreeSize(n, fixed=n)
 
 
 def _attach(drafter, target) -> None:
