@@ -134,6 +134,15 @@ def collect(gen):
     return Session.collect(gen).token_ids
 
 
+def joined(batched, work):
+    """The requests of `work` admitted together, in order, at one round boundary; -> each one's tokens."""
+    with batched.hold():
+        threads, gens = _started(batched, work)
+    for t in threads:
+        t.join()
+    return [collect(g) for g in gens]
+
+
 def test_a_lane_that_leaves_moves_the_last_one_with_all_its_kv(bundles):
     """Three lanes join at one round: the first finishes early, so the last lane's slot moves
     into the first's, after that round's K/V were written (moving it before would lose its newest
@@ -264,11 +273,7 @@ def test_sequences_near_the_end_of_the_buffer_pad_before_their_rows(bundles):
     batched.target.forward = lambda tokens, starts, **kw: (widths.append((tokens.shape, starts.tolist())),
                                                            forward(tokens, starts, **kw))[1]
     try:
-        with batched.hold():
-            threads, gens = _started(batched, work)
-        for t in threads:
-            t.join()
-        assert [collect(g) for g in gens] == want
+        assert joined(batched, work) == want
         first_lane = [starts[0] for shape, starts in widths if shape[0] == 2]
         assert any(b < a for a, b in zip(first_lane, first_lane[1:]))  # its write index stepped back: padded before
     finally:
@@ -531,11 +536,7 @@ def test_a_tree_lane_near_the_end_of_the_buffer_pads_before_its_tree(bundles):
     batched.target.forward = lambda tokens, starts, **kw: (
         laid.extend(x.offsets.tolist() for x in kw.get("layouts") or [] if x is not None), forward(tokens, starts, **kw))[1]
     try:
-        with batched.hold():
-            threads, gens = _started(batched, work)
-        for t in threads:
-            t.join()
-        assert [collect(g) for g in gens] == want
+        assert joined(batched, work) == want
         # recomputed rows at consecutive positions before the root, then the tree (offsets fall back):
         # unpadded, a tree's rows start [0, 1, 2, 1] here
         assert any(o[:4] == [0, 1, 2, 3] and o[-1] < len(o) - 1 for o in laid), laid
