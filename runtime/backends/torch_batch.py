@@ -41,6 +41,7 @@ def batch_bucket(b: int, max_batch: int) -> int:
 
 class TorchBatchEngine:
     trees = False  # a batch on the torch backend verifies chains only (its single-sequence engine runs trees)
+
     def __init__(self, graph, spec: ModelSpec, max_seq: int, max_batch: int, device: str | None = None,
                  capture: bool | None = None, buckets: bool | None = None, capture_max_t: int = 9,
                  min_window: int = 64, warmup: int = 2):
