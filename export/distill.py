@@ -436,11 +436,20 @@ def _schedule(step: int, steps: int) -> float:
     return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * (step - warm) / max(1, steps - warm)))
 
 
-def train(student: Student, data: list[dict], remap: torch.Tensor, pad: int, s: DistillSettings, work: Path,
-          progress: bool, stop_after: int | None = None) -> list[float]:
-    """`s.steps` AdamW steps over random batches; a checkpoint every 25 steps and at the end
-    (weights, optimizer, schedule, the batch sampler's state)."""
-    params = [p for p in student.parameters() if p.requires_grad]
+def train_loop(model: nn.Module, name: str, weights: Callable[[], dict], load: Callable[[dict], None],
+               check: Callable[[dict], str | None], loss_of: Callable[[list[int]], tuple[torch.Tensor, float]],
+               records: int, s, work: Path, progress: bool, desc: str, extra: dict[str, list] | None = None,
+               after_step: Callable[[int], None] | None = None, stop_after: int | None = None) -> list[float]:
+    """The training loop of `distill` (a draft) and `distill --kind eagle3` (a head): `s.steps` AdamW
+    steps (`s.lr`, a warm-up then a cosine to a tenth, gradients clipped to norm 1) over batches of
+    `s.batch` of the `records` drawn by a sampler seeded with `s.seed`. `loss_of(picks)` -> (the loss
+    to step on, the number kept and shown). A checkpoint every 25 steps and at the end: the model's
+    `weights()` under `name`, the optimizer, the schedule, the sampler, the step, the losses and the
+    lists in `extra` (restored in place). A checkpoint in `work` is resumed from once its form is
+    checked (`_read_checkpoint`) and `check(state)` finds nothing wrong with the caller's own parts;
+    `load` restores the weights. `after_step(step)` runs after each step. -> the losses."""
+    extra = {} if extra is None else extra
+    params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=s.lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: _schedule(i, s.steps))
     sampler = torch.Generator().manual_seed(s.seed)
@@ -448,42 +457,64 @@ def train(student: Student, data: list[dict], remap: torch.Tensor, pad: int, s: 
     step = 0
     ckpt = work / "checkpoint.pt"
     if ckpt.is_file():
-        like = {"student": student.trainable(), "sched": sched.state_dict(), "sampler": sampler.get_state()}
-        state = _read_checkpoint(ckpt, work, like, opt, s.steps)
-        if not torch.equal(state["student"]["vocab"], student.vocab):
-            raise _not_ours(ckpt, work, "a checkpoint", "its draft vocabulary is not the one of the answers")
+        like = {name: weights(), "sched": sched.state_dict(), "sampler": sampler.get_state()}
+        state = _read_checkpoint(ckpt, work, like, opt, s.steps, more=tuple(extra))
+        problem = check(state)
+        if problem:
+            raise _not_ours(ckpt, work, "a checkpoint", problem)
         with _restoring(ckpt, work):
-            student.load_state_dict(state["student"], strict=False)
+            load(state[name])
             opt.load_state_dict(state["opt"])
             sched.load_state_dict(state["sched"])
             sampler.set_state(state["sampler"])
         step, losses = state["step"], state["losses"]
+        for key, kept in extra.items():
+            kept[:] = state[key]
 
     def checkpoint():
-        _save({"student": student.trainable(), "opt": opt.state_dict(), "sched": sched.state_dict(),
-               "sampler": sampler.get_state(), "step": step, "losses": losses}, ckpt)
+        _save({name: weights(), "opt": opt.state_dict(), "sched": sched.state_dict(), "sampler": sampler.get_state(),
+               "step": step, "losses": losses, **extra}, ckpt)
 
-    student.train()
-    bar = _bar(s.steps, "training the draft", "step", progress, initial=step)
+    bar = _bar(s.steps, desc, "step", progress, initial=step)
     while step < s.steps:
         if stop_after is not None and step >= stop_after:
             raise KeyboardInterrupt  # tests: an interruption between checkpoints
-        picks = torch.randint(0, len(data), (s.batch,), generator=sampler).tolist()
-        ids, rows, target_ids, target_probs = _batch([data[i] for i in picks], remap, pad)
-        loss = loss_fn(student(ids, rows), target_ids, target_probs)
+        model.train()
+        picks = torch.randint(0, records, (s.batch,), generator=sampler).tolist()
+        loss, shown = loss_of(picks)
         opt.zero_grad(set_to_none=True)
         loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         sched.step()
-        losses.append(loss.item())
+        losses.append(shown)
         step += 1
         bar.update(1)
         bar.set_postfix(loss=f"{sum(losses[-20:]) / len(losses[-20:]):.3f}")
+        if after_step is not None:
+            after_step(step)
         if step % 25 == 0 or step == s.steps:
             checkpoint()
     bar.close()
-    student.eval()
+    model.eval()
     return losses
+
+
+def train(student: Student, data: list[dict], remap: torch.Tensor, pad: int, s: DistillSettings, work: Path,
+          progress: bool, stop_after: int | None = None) -> list[float]:
+    """The draft's training (train_loop): the distillation loss over batches of answers."""
+    def loss_of(picks: list[int]) -> tuple[torch.Tensor, float]:
+        ids, rows, target_ids, target_probs = _batch([data[i] for i in picks], remap, pad)
+        loss = loss_fn(student(ids, rows), target_ids, target_probs)
+        return loss, loss.item()
+
+    def check(state: dict) -> str | None:
+        if not torch.equal(state["student"]["vocab"], student.vocab):
+            return "its draft vocabulary is not the one of the answers"
+        return None
+
+    return train_loop(student, "student", student.trainable, lambda w: student.load_state_dict(w, strict=False),
+                      check, loss_of, len(data), s, work, progress, "training the draft", stop_after=stop_after)
 
 
 # -- 4. the whole job ------------------------------------------------------------------------

@@ -25,8 +25,8 @@ import torch
 
 from specdeploy.core.errors import ExportError
 
-from .distill import (DistillSettings, _bar, _load_work_file, _not_ours, _read_checkpoint, _read_settings, _restoring,
-                      _save, _schedule, _unlike, data_record, generate_data, loss_fn, split_and_vocabulary)
+from .distill import (DistillSettings, _bar, _load_work_file, _not_ours, _read_settings, _save, _unlike, data_record,
+                      generate_data, loss_fn, split_and_vocabulary, train_loop)
 from .eagle3 import Eagle3Head, HeadConfig, default_layers
 from .load import Source, load_source
 
@@ -266,64 +266,34 @@ def agreement(head: Eagle3Head, records: list[dict], remap: torch.Tensor, pad: i
 
 def train(head: Eagle3Head, data: list[dict], held_out: list[dict], remap: torch.Tensor, pad: int, s: HeadSettings,
           work: Path, progress: bool, log, stop_after: int | None = None) -> tuple[list[float], list[dict]]:
-    """AdamW over random batches, every loss of the unrolled steps weighed decay**i; a
-    checkpoint every 25 steps and at the end; held-out agreement every `evaluate_every`."""
-    params = [p for p in head.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=s.lr, weight_decay=0.0)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: _schedule(i, s.steps))
-    sampler = torch.Generator().manual_seed(s.seed)
-    losses: list[float] = []
+    """The head's training (distill.train_loop): every loss of the unrolled steps weighed
+    decay**i; held-out agreement every `evaluate_every` steps, kept in the checkpoint."""
     curve: list[dict] = []
-    step = 0
-    ckpt = work / "checkpoint.pt"
-    if ckpt.is_file():
-        like = {"head": head.state_dict(), "sched": sched.state_dict(), "sampler": sampler.get_state()}
-        state = _read_checkpoint(ckpt, work, like, opt, s.steps, more=("curve",))
+    tokens_per_step = s.batch * sum(r["top_ids"].shape[0] for r in data) / max(1, len(data))
+
+    def loss_of(picks: list[int]) -> tuple[torch.Tensor, float]:
+        parts, _ = step_losses(head, _batch([data[i] for i in picks], remap, pad), s.ttt)
+        return sum(s.decay**i * part for i, part in enumerate(parts)), parts[0].item()
+
+    def check(state: dict) -> str | None:
         saved_curve, point = state["curve"], {"step": 0, "training_tokens": 0, "agreement": [0.0] * s.ttt}
         problem = (_unlike(saved_curve, [point] * len(saved_curve), "curve") if isinstance(saved_curve, list)
                    else "curve: not a list")
+        live = head.state_dict()
         for name in ("d2t", "t2d"):  # the maps of the draft vocabulary: the answers', not the file's
-            if not problem and not torch.equal(state["head"][name], like["head"][name]):
+            if not problem and not torch.equal(state["head"][name], live[name]):
                 problem = f"head[{name!r}]: not the draft vocabulary of the answers"
-        if problem:
-            raise _not_ours(ckpt, work, "a checkpoint", problem)
-        with _restoring(ckpt, work):
-            head.load_state_dict(state["head"])
-            opt.load_state_dict(state["opt"])
-            sched.load_state_dict(state["sched"])
-            sampler.set_state(state["sampler"])
-        step, losses, curve = state["step"], state["losses"], state["curve"]
+        return problem
 
-    def checkpoint():
-        _save({"head": head.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict(),
-               "sampler": sampler.get_state(), "step": step, "losses": losses, "curve": curve}, ckpt)
-
-    tokens_per_step = s.batch * sum(r["top_ids"].shape[0] for r in data) / max(1, len(data))
-    bar = _bar(s.steps, "training the head", "step", progress, initial=step)
-    while step < s.steps:
-        if stop_after is not None and step >= stop_after:
-            raise KeyboardInterrupt  # tests: an interruption between checkpoints
-        head.train()
-        picks = torch.randint(0, len(data), (s.batch,), generator=sampler).tolist()
-        parts, _ = step_losses(head, _batch([data[i] for i in picks], remap, pad), s.ttt)
-        loss = sum(s.decay**i * part for i, part in enumerate(parts))
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
-        sched.step()
-        losses.append(parts[0].item())
-        step += 1
-        bar.update(1)
-        bar.set_postfix(loss=f"{sum(losses[-20:]) / len(losses[-20:]):.3f}")
+    def evaluate(step: int) -> None:
         if step % s.evaluate_every == 0 or step == s.steps:
             got = agreement(head, held_out, remap, pad, s.ttt)
             curve.append({"step": step, "training_tokens": round(step * tokens_per_step), "agreement": got})
             log(f"  step {step}: held-out agreement by draft position {', '.join(f'{a:.1%}' for a in got)}")
-        if step % 25 == 0 or step == s.steps:
-            checkpoint()
-    bar.close()
-    head.eval()
+
+    losses = train_loop(head, "head", head.state_dict, head.load_state_dict, check, loss_of, len(data), s, work,
+                        progress, "training the head", extra={"curve": curve}, after_step=evaluate,
+                        stop_after=stop_after)
     return losses, curve
 
 
