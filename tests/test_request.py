@@ -18,7 +18,7 @@ from specdeploy.runtime.decoding.request import (
 )
 from specdeploy.runtime.decoding.sampling import SamplingParams
 from specdeploy.runtime.decoding.session import Session
-from specdeploy.runtime.serving import server, triton
+from specdeploy.runtime.serving import server, triton, triton_io
 
 LIMITS = Limits(max_seq=16, max_draft=4, max_chars=40, vocab=100, max_tree_nodes=8)
 HTTP = wire_labels("prompt")
@@ -133,7 +133,7 @@ def test_sampling_params_are_checked_by_the_same_rules():
 
 
 def test_every_wire_setting_is_a_triton_input_the_config_declares():
-    inputs = {t.name: t for t in triton.INPUTS}
+    inputs = {t.name: t for t in triton_io.INPUTS}
     for name, s in SETTINGS.items():
         if s.wire is None:
             assert name not in inputs
@@ -141,7 +141,7 @@ def test_every_wire_setting_is_a_triton_input_the_config_declares():
         assert inputs[s.wire].optional and inputs[s.wire].data_type == s.triton, name
     assert {"tree_nodes", "private"} <= set(inputs)
     text = triton.config_text("m", 1, 4, "ort", "bundle")
-    for t in triton.INPUTS:
+    for t in triton_io.INPUTS:
         assert f'name: "{t.name}" data_type: {t.data_type}' in text
 
 
@@ -164,7 +164,7 @@ TRITON_TYPES = {"max_new_tokens": np.int32, "temperature": np.float64, "top_p": 
 
 
 def via_triton(case: dict):
-    """The Triton path: the inputs as the model's tensors, through triton.parse_request."""
+    """The Triton path: the inputs as the model's tensors, through triton_io.parse_request."""
     inputs = {"text_input": np.array([case["prompt"].encode()], dtype=np.object_)}
     for k, v in case.items():
         if k == "prompt" or v is None or v == "auto":
@@ -176,7 +176,7 @@ def via_triton(case: dict):
         else:
             inputs[name] = np.array([v], dtype=TRITON_TYPES[k])
     try:
-        return triton.parse_request(inputs.get, LIMITS).request
+        return triton_io.parse_request(inputs.get, LIMITS).request
     except RequestError as e:
         return e.field
 

@@ -15,7 +15,7 @@ import tritonserver
 from tritonserver import DTYPES, NUMPY, Answer, generate, one
 from specdeploy.cli import main
 from specdeploy.runtime import Session
-from specdeploy.runtime.serving import triton
+from specdeploy.runtime.serving import triton, triton_io
 
 pb2 = pytest.importorskip("tritonclient.grpc.model_config_pb2",
                           reason="tritonclient is not installed (pip install 'specdeploy[triton]')")
@@ -48,7 +48,7 @@ def test_repository_layout_and_config(bundles, tmp_path):
     assert [(g.count, pb2.ModelInstanceGroup.Kind.Name(g.kind)) for g in config.instance_group] == [(3, "KIND_CPU")]
     # batches of up to 8 by default (the bundle's max_batch): Triton's queue also holds the 8 a batch takes
     assert config.dynamic_batching.default_queue_policy.max_queue_size == 5 + 8
-    assert {t.name for t in config.input} == {t.name for t in triton.INPUTS}
+    assert {t.name for t in config.input} == {t.name for t in triton_io.INPUTS}
     assert [t.name for t in config.input if not t.optional] == ["text_input"]
     assert {k: v.string_value for k, v in config.parameters.items()} == {"bundle": "bundle", "backend": "ort",
                                                                        "threads": "1", "batch": "8"}
@@ -124,13 +124,13 @@ def test_mistakes_are_one_line_errors(bundles, tmp_path):
 
 
 def test_request_checks_name_the_input():
-    limits = triton.Limits(max_seq=128, max_draft=8, max_chars=8192)
+    limits = triton_io.Limits(max_seq=128, max_draft=8, max_chars=8192)
 
     def parse(**fields):
         inputs = {"text_input": np.array([b"Hi"], dtype=np.object_)}
         for k, v in fields.items():
             inputs[k] = np.array(v if isinstance(v, list) else [v], dtype=NUMPY[DTYPES[k]])
-        return triton.parse_request(inputs.get, limits)
+        return triton_io.parse_request(inputs.get, limits)
 
     req = parse()  # the defaults of `specdeploy serve`
     assert (req.prompt, req.chat, req.stream, req.max_tokens) == ("Hi", False, False, None)
@@ -153,7 +153,7 @@ def test_request_checks_name_the_input():
     ]:
         with pytest.raises(triton.InputError, match=re.escape(message)):
             if "text_input" in fields:
-                triton.parse_request({"text_input": np.array([fields["text_input"]], dtype=np.object_)}.get, limits)
+                triton_io.parse_request({"text_input": np.array([fields["text_input"]], dtype=np.object_)}.get, limits)
             else:
                 parse(**fields)
 

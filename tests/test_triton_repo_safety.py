@@ -17,7 +17,7 @@ from specdeploy.cli import main
 from specdeploy.core.errors import BundleError
 from specdeploy.core.manifest import MANIFEST, load_bundle
 from specdeploy.runtime import Session
-from specdeploy.runtime.serving import triton
+from specdeploy.runtime.serving import triton, triton_io
 
 pytest.importorskip("tritonclient.grpc.model_config_pb2",
                     reason="tritonclient is not installed (pip install 'specdeploy[triton]')")
@@ -197,14 +197,14 @@ def test_check_reports_what_the_writer_refuses(bundles, tmp_path, edit, expected
 
 
 REFUSED = [  # settings the writer refuses: config.pbtxt written with them anyway
-    dict(instances=0), dict(instances=triton.MAX_INSTANCES + 1), dict(max_queue=0), dict(max_queue=-1),
+    dict(instances=0), dict(instances=triton_io.MAX_INSTANCES + 1), dict(max_queue=0), dict(max_queue=-1),
     dict(backend="onnx"), dict(threads=0),
 ]
 
 
 def in_config_words(message):
-    for key, flag in triton.FLAGS.items():
-        message = message.replace(flag, triton.CONFIG_FIELDS[key])
+    for key, flag in triton_io.FLAGS.items():
+        message = message.replace(flag, triton_io.CONFIG_FIELDS[key])
     return message
 
 
@@ -229,14 +229,14 @@ def test_whatever_the_writer_refuses_check_reports(bundles, tmp_path, refused):
 def test_writer_and_check_share_one_rule_set():
     for refused in REFUSED:
         settings = dict(instances=1, max_queue=8, backend="ort", threads=None) | refused
-        flags = triton.setting_problems("m", (settings["instances"],), settings["max_queue"], settings["backend"],
+        flags = triton_io.setting_problems("m", (settings["instances"],), settings["max_queue"], settings["backend"],
                                         settings["threads"])
-        fields = triton.setting_problems("m", (settings["instances"],), settings["max_queue"], settings["backend"],
+        fields = triton_io.setting_problems("m", (settings["instances"],), settings["max_queue"], settings["backend"],
                                          "" if settings["threads"] is None else str(settings["threads"]),
-                                         triton.CONFIG_FIELDS)
+                                         triton_io.CONFIG_FIELDS)
         assert len(flags) == len(fields) == 1, (refused, flags, fields)
         assert [in_config_words(m) for m in flags] == fields  # the same rule, named as the config names it
-    assert triton.setting_problems("m", (1,), 8, "ort", None) == []
+    assert triton_io.setting_problems("m", (1,), 8, "ort", None) == []
 
 
 # -- 3. the bundle's digest ----------------------------------------------------------------------
@@ -252,7 +252,7 @@ def edit_manifest(bundle_dir):
 
 def recorded_digest(model_dir):
     config = triton.parse_config(model_dir / "config.pbtxt")
-    return config.metric_tags[triton.DIGEST_TAG]
+    return config.metric_tags[triton_io.DIGEST_TAG]
 
 
 @pytest.mark.parametrize("reference", [False, True], ids=["copied", "reference"])
@@ -274,8 +274,8 @@ def test_the_repository_records_the_bundle_digest_and_check_verifies_it(bundle, 
     # model.py's load: the settings Triton hands it, then its Session
     config = {"parameters": {k: {"string_value": v.string_value}
                              for k, v in triton.parse_config(model / "config.pbtxt").parameters.items()},
-              "metric_tags": {triton.DIGEST_TAG: recorded_digest(model)}}
-    settings = triton.ModelSettings.from_model_config(config, model / "1")
+              "metric_tags": {triton_io.DIGEST_TAG: recorded_digest(model)}}
+    settings = triton_io.ModelSettings.from_model_config(config, model / "1")
     assert settings.digest == digest
     with pytest.raises(BundleError, match=re.escape(f"bundle digest {load_bundle(served).digest} is not the")) as e:
         Session(settings.bundle, digest=settings.digest)
@@ -289,7 +289,7 @@ def test_a_config_without_a_digest_is_refused(bundles, tmp_path):
     result = cli("triton-repo", "--check", tmp_path)
     assert result.exit_code == 1 and 'metric_tags "bundle_digest" \'\' is not a bundle digest' in result.stdout
     with pytest.raises(triton.InputError, match="write the repository again"):
-        triton.ModelSettings.from_parameters({"bundle": "bundle"}, tmp_path / "m" / "1")
+        triton_io.ModelSettings.from_parameters({"bundle": "bundle"}, tmp_path / "m" / "1")
 
 
 def test_triton_refuses_to_load_a_bundle_edited_in_the_repository(bundle, tmp_path):

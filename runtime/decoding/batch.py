@@ -265,8 +265,6 @@ class BatchSession(Prompts):
     def __init__(self, bundle: str | Path | Bundle, batch: int = 4, max_queue: int = 8, threads: int | None = None,
                  backend: str = "ort", device: str | None = None, wait_seconds: float | None = None,
                  prompt_cache: bool = True, verify: bool = True, digest: str | None = None):
-        from specdeploy.runtime.backends import make_batch_engine
-
         self.bundle = bundle if isinstance(bundle, Bundle) else load_bundle(bundle, verify=verify, digest=digest)
         b = self.bundle
         if backend == "ort" and (device is None or str(device) == "cpu"):  # target and draft take turns: one pool

@@ -23,7 +23,7 @@ import triton_python_backend_utils as pb_utils
 
 from specdeploy.core.errors import InputError, SpecdeployError
 from specdeploy.runtime import share_cpu_threads
-from specdeploy.runtime.serving import triton
+from specdeploy.runtime.serving import triton_io
 from specdeploy.runtime.decoding.batch import BatchSession
 from specdeploy.runtime.decoding.session import Session
 
@@ -33,17 +33,17 @@ FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 class TritonPythonModel:
     def initialize(self, args):
         config = json.loads(args["model_config"])
-        settings = triton.ModelSettings.from_model_config(
+        settings = triton_io.ModelSettings.from_model_config(
             config, Path(args["model_repository"]) / args["model_version"])
         if args["model_instance_kind"] == "GPU":
-            triton.select_gpu(int(args["model_instance_device_id"]))  # before any CUDA work in this process
+            triton_io.select_gpu(int(args["model_instance_device_id"]))  # before any CUDA work in this process
         if settings.backend == "ort":  # a process of its own: its target and draft take turns on one pool
             share_cpu_threads(settings.threads)
         self.batched = settings.batch is not None
         try:
             if self.batched:
                 queue = config.get("dynamic_batching", {}).get("default_queue_policy", {}).get("max_queue_size", 8)
-                # Triton's queue holds the requests the batch has not taken yet (triton.write_repository)
+                # Triton's queue holds the requests the batch has not taken yet (triton.py write_repository)
                 waiting = max(0, int(queue) - settings.batch)
                 self.session = BatchSession(settings.bundle, batch=settings.batch, max_queue=waiting,
                                             threads=settings.threads, backend=settings.backend, digest=settings.digest)
@@ -66,8 +66,8 @@ class TritonPythonModel:
 
     def _serve(self, request, sender):
         try:
-            req = triton.parse_request(lambda name: _input(request, name), self.limits)
-            gen = self.session.start(triton.encode(self.session, req))
+            req = triton_io.parse_request(lambda name: _input(request, name), self.limits)
+            gen = self.session.start(triton_io.encode(self.session, req))
         except SpecdeployError as e:
             kind = pb_utils.TritonError.INVALID_ARG if isinstance(e, InputError) else pb_utils.TritonError.INTERNAL
             sender.send(_error(str(e), kind), flags=FINAL)
@@ -87,8 +87,8 @@ class TritonPythonModel:
                     texts.append(piece.text)
                     token_ids += piece.token_ids
                 elif piece.text or piece.token_ids:
-                    sender.send(_response(triton.piece_outputs(piece.text, piece.token_ids)))
-            sender.send(_response(triton.final_outputs("".join(texts), token_ids, gen.stats)), flags=FINAL)
+                    sender.send(_response(triton_io.piece_outputs(piece.text, piece.token_ids)))
+            sender.send(_response(triton_io.final_outputs("".join(texts), token_ids, gen.stats)), flags=FINAL)
         except Exception as e:  # the engine failed, or the response could not be sent
             gen.close()  # the session is free for the next request either way
             if isinstance(e, InputError):
