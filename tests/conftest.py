@@ -21,20 +21,48 @@ PREFILL_CHUNK = 16  # smaller than the longer prompts, so prefill runs in severa
 
 
 @pytest.fixture(scope="session")
-def models(tmp_path_factory):
+def shared(tmp_path_factory, worker_id):
+    """A folder every worker of the run shares (pytest-xdist's workers are processes of their own):
+    what one builds there, the others reuse (`once`)."""
+    if worker_id == "master":  # one process
+        return tmp_path_factory.mktemp("shared")
+    root = tmp_path_factory.getbasetemp().parent / "shared"
+    root.mkdir(exist_ok=True)
+    return root
+
+
+def once(root: Path, name: str, build) -> Path:
+    """root/name as `build(folder)` makes it, built once per run: the first worker to ask builds it
+    under a lock, the others wait for it and reuse it."""
+    from filelock import FileLock
+
+    folder, done = root / name, root / f".{name}.done"
+    with FileLock(str(root / f".{name}.lock")):
+        if not done.exists():
+            shutil.rmtree(folder, ignore_errors=True)  # a build that failed half way
+            build(folder)
+            done.touch()
+    return folder
+
+
+MODELS = [  # name, architecture, seed, layers, config overrides
+    ("llama", "llama", 0, 3, {}),
+    ("llama_draft", "llama", 1, 1, {}),
+    ("qwen2", "qwen2", 2, 3, {}),
+    ("mistral", "mistral", 3, 3, {"sliding_window": 40}),
+    ("mistral_draft", "mistral", 4, 1, {"sliding_window": 40}),
+]
+
+
+@pytest.fixture(scope="session")
+def models(shared):
     """Tiny random source models, as Hugging Face folders, sharing one tokenizer."""
-    root = tmp_path_factory.mktemp("models")
-    made = {}
-    for name, arch, seed, layers, extra in [
-        ("llama", "llama", 0, 3, {}),
-        ("llama_draft", "llama", 1, 1, {}),
-        ("qwen2", "qwen2", 2, 3, {}),
-        ("mistral", "mistral", 3, 3, {"sliding_window": 40}),
-        ("mistral_draft", "mistral", 4, 1, {"sliding_window": 40}),
-    ]:
-        tiny.make_model(root / name, arch, seed=seed, layers=layers, **extra)
-        made[name] = root / name
-    return made
+    def build(root):
+        for name, arch, seed, layers, extra in MODELS:
+            tiny.make_model(root / name, arch, seed=seed, layers=layers, **extra)
+
+    root = once(shared, "models", build)
+    return {name: root / name for name, *_ in MODELS}
 
 
 BUNDLES = {
@@ -52,19 +80,20 @@ BUNDLES = {
 
 
 @pytest.fixture(scope="session")
-def bundles(models, tmp_path_factory):
-    """Exported lazily: a test asks for one bundle by name."""
+def bundles(models, shared):
+    """Exported lazily, once per run: a test asks for one bundle by name."""
     from specdeploy.export import build_bundle
 
-    root = tmp_path_factory.mktemp("bundles")
     built = {}
+    root = shared / "bundles"
+    root.mkdir(exist_ok=True)
 
     def get(name):
         if name not in built:
             target, draft = BUNDLES[name]
             draft = str(models[draft]) if draft in models else draft
-            build_bundle(models[target], draft, root / name, max_seq=MAX_SEQ, max_draft=8, prefill_chunk=PREFILL_CHUNK)
-            built[name] = root / name
+            built[name] = once(root, name, lambda out: build_bundle(
+                models[target], draft, out, max_seq=MAX_SEQ, max_draft=8, prefill_chunk=PREFILL_CHUNK))
         return built[name]
 
     return get
