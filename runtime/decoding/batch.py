@@ -47,7 +47,7 @@ from specdeploy.runtime.decoding.batch_draft import BatchDraft, BatchHeads
 from specdeploy.runtime.decoding.drafters import Proposal, drafter_class, make_drafter
 from specdeploy.runtime.decoding.drafters.model import static_cost_ratio
 from specdeploy.runtime.decoding.engine import Checked
-from specdeploy.runtime.decoding.loop import EMPTY_TREE, check_finite
+from specdeploy.runtime.decoding.loop import check_finite, look_up
 from specdeploy.runtime.decoding.policy import DraftLength, PassCost, Probes, TreeSize
 from specdeploy.runtime.decoding.request import Request
 from specdeploy.runtime.decoding.sampling import SamplingParams
@@ -665,14 +665,8 @@ class BatchSession(Prompts):
             return lane.tokens.shape[0]
         if lane.greedy_auto and not look:
             return 0
-        max_depth = min(lane.depth, most)
-        room = min(lane.sizes.max_nodes, self.bundle.max_seq - lane.end)  # node i at slot end + i
-        if max_depth <= 0 or room <= 0:
-            candidates = EMPTY_TREE
-        elif lane.sizes.chains:
-            candidates = DraftTree.chain(lane.drafter.propose(ids, min(room, max_depth), lane.params, lane.rng).tokens)
-        else:
-            candidates = lane.drafter.propose_tree(ids, room, max_depth)
+        candidates, _ = look_up(lane.drafter, ids, lane.sizes, min(lane.depth, most), self.bundle.max_seq,
+                                lane.params, lane.rng)
         if lane.greedy_auto:  # the batch's policy chooses how much of it to verify
             lane.tree = candidates if lane.trees else None
             lane.tokens = candidates.tokens

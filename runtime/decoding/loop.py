@@ -216,16 +216,7 @@ def tree_round(
     before the policy decides how much of it to verify: the lookup is free, and what it found
     is the best guide to how far it holds), verified as a chain round."""
     n = ids.shape[0]
-    room = min(sizes.max_nodes, target.max_seq - n)  # node i is written at slot n + i
-    if max_depth <= 0 or room <= 0:
-        candidates, lookup = EMPTY_TREE, 0.0
-    elif sizes.chains:
-        proposal = drafter.propose(ids, min(room, max_depth), params, rng)
-        candidates, lookup = DraftTree.chain(proposal.tokens), proposal.seconds
-    else:
-        t0 = time.perf_counter()
-        candidates = drafter.propose_tree(ids, room, max_depth)
-        lookup = time.perf_counter() - t0
+    candidates, lookup = look_up(drafter, ids, sizes, max_depth, target.max_seq, params, rng)
     tree = candidates.prune(sizes.choose(candidates.probs, candidates.size))
     t0 = time.perf_counter()
     if tree.size and not tree.is_chain():
@@ -244,6 +235,23 @@ def tree_round(
 
 
 EMPTY_TREE = DraftTree(np.empty(0, dtype=np.int64), np.empty(0, dtype=np.int64), np.empty(0))
+
+
+def look_up(drafter, ids: np.ndarray, sizes: TreeSize, max_depth: int, max_seq: int, params: SamplingParams,
+            rng: np.random.Generator) -> tuple[DraftTree, float]:
+    """A tree round's candidates (Session's rounds and a batch's lanes): the drafter's tree of at
+    most `sizes.max_nodes` nodes up to `max_depth` deep, node i written at slot n + i of a buffer
+    of `max_seq` (n: the committed ids), or with `sizes.chains` its chain. -> (the candidates, the
+    lookup's seconds)."""
+    room = min(sizes.max_nodes, max_seq - ids.shape[0])
+    if max_depth <= 0 or room <= 0:
+        return EMPTY_TREE, 0.0
+    if sizes.chains:
+        proposal = drafter.propose(ids, min(room, max_depth), params, rng)
+        return DraftTree.chain(proposal.tokens), proposal.seconds
+    t0 = time.perf_counter()
+    tree = drafter.propose_tree(ids, room, max_depth)
+    return tree, time.perf_counter() - t0
 
 
 def check_finite(target: Engine, target_logits: np.ndarray, start: int, argmax: np.ndarray | None = None) -> None:
