@@ -12,15 +12,99 @@ token, as for n-gram drafts).
   exactly the target's distribution, whatever the draft proposes.
 - Tree: walk from the root, following the child that carries the target's token for each row.
 
-The round calls `accept_chain` / `accept_path`, which look the three rules up by name here.
+A generation's rounds are judged by its `Judge` (Session's rounds and a batch's lanes alike):
+the request's penalties applied to each row under the tokens before it, then `accept_chain` /
+`accept_path`, which look the three rules up by name here, then the log probabilities of the
+tokens it commits, where the request asks for them.
 """
 from __future__ import annotations
+
+from dataclasses import replace
+from typing import NamedTuple
 
 import numpy as np
 
 from specdeploy.runtime.decoding.engine import Checked
-from specdeploy.runtime.decoding.sampling import SamplingParams, sample, warp
+from specdeploy.runtime.decoding.sampling import EMPTY, SamplingParams, penalize, sample, warp
 from specdeploy.runtime.decoding.tree import DraftTree
+
+
+class TokenLogprob(NamedTuple):
+    """A committed token's log probability under the target's row that chose it (its raw
+    logits, before penalties, temperature and filters, as vLLM reports them by default), and
+    the likeliest tokens of that row with theirs (most likely first)."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]
+
+
+class Judge:
+    """One generation's verdicts on its rounds: its sampling settings and random stream, the
+    prompt's length (penalties count what follows it), and the log probabilities of the tokens
+    it commits when `logprobs` (alternatives per token) is not None."""
+
+    def __init__(self, params: SamplingParams, rng: np.random.Generator, prompt_len: int, logprobs: int | None = None):
+        self.params, self.rng, self.prompt_len, self.logprobs = params, rng, prompt_len, logprobs
+        self._round: list[TokenLogprob] = []
+
+    @property
+    def needs_rows(self) -> bool:
+        """Whether a round needs every row's logits on the host (not only its argmaxes)."""
+        return self.params.penalized or self.logprobs is not None
+
+    def chain(self, ids: np.ndarray, checked: Checked) -> tuple[int, int]:
+        """A chain round's verdict (`accept_chain`) on rows that follow the committed `ids`."""
+        raw = checked.target_logits
+        if self.params.penalized:
+            drafts = checked.draft_tokens
+            logits = penalize(raw, self.params, ids, self.prompt_len, [drafts[:i] for i in range(drafts.shape[0] + 1)])
+            checked = replace(checked, target_logits=logits,
+                              target_tokens=logits.argmax(axis=-1) if self.params.greedy else None)
+        n, token = accept_chain(checked, self.params, self.rng)
+        self._keep(raw, list(range(n + 1)), checked.draft_tokens[:n].tolist() + [token])
+        return n, token
+
+    def tree(self, ids: np.ndarray, tree: DraftTree, logits: np.ndarray, tokens: np.ndarray | None) -> tuple[list[int], int]:
+        """A tree round's verdict (`accept_path`) on rows [N+1] (row 0 the root's) after `ids`."""
+        raw = logits
+        if self.params.penalized:
+            logits = penalize(raw, self.params, ids, self.prompt_len, [EMPTY] + [tree.tokens[path_to(tree, j)]
+                                                                                for j in range(tree.size)])
+            tokens = logits.argmax(axis=-1) if self.params.greedy else None
+        path, token = accept_path(tree, logits, tokens, self.params, self.rng)
+        self._keep(raw, [0] + [j + 1 for j in path], tree.tokens[path].tolist() + [token])
+        return path, token
+
+    def _keep(self, logits: np.ndarray, rows: list[int], tokens: list[int]) -> None:
+        if self.logprobs is None:
+            return
+        self._round = [token_logprob(logits[r], t, self.logprobs) for r, t in zip(rows, tokens)]
+
+    def take(self, m: int) -> list[TokenLogprob] | None:
+        """The last round's first m committed tokens' log probabilities (the round may commit
+        fewer than it judged: an EOS or the token limit cuts it); None where not asked for."""
+        return None if self.logprobs is None else self._round[:m]
+
+
+def path_to(tree: DraftTree, node: int) -> list[int]:
+    """The nodes from the root's first child down to `node`, in order."""
+    path = []
+    while node >= 0:
+        path.append(node)
+        node = int(tree.parents[node])
+    return path[::-1]
+
+
+def token_logprob(row: np.ndarray, token: int, top: int) -> TokenLogprob:
+    """`token`'s log probability under the logits `row` [V] and the row's `top` likeliest
+    tokens with theirs (float64 log-softmax; ties in the order of their ids)."""
+    z = row.astype(np.float64)
+    z = z - z.max()
+    logp = z - np.log(np.exp(z).sum())
+    best = np.argpartition(-logp, top - 1)[:top] if top else np.empty(0, dtype=np.int64)
+    best = best[np.lexsort((best, -logp[best]))]
+    return TokenLogprob(int(token), float(logp[token]), tuple((int(t), float(logp[t])) for t in best))
 
 
 def accept_chain(checked: Checked, params: SamplingParams, rng: np.random.Generator) -> tuple[int, int]:

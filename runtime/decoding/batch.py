@@ -41,7 +41,7 @@ from specdeploy.core.manifest import Bundle, load_bundle
 
 from specdeploy.runtime.backends import make_batch_engine
 from specdeploy.runtime.backends.ort import settle_thread_pool, thread_pool_choice
-from specdeploy.runtime.decoding.accept import accept_chain, accept_path
+from specdeploy.runtime.decoding.accept import Judge
 from specdeploy.runtime.decoding.admission import POLL_SECONDS, Cancelled, Overloaded, QueueTimeout
 from specdeploy.runtime.decoding.batch_draft import BatchDraft, BatchHeads
 from specdeploy.runtime.decoding.drafters import Proposal, drafter_class, make_drafter
@@ -51,7 +51,9 @@ from specdeploy.runtime.decoding.loop import check_finite, look_up
 from specdeploy.runtime.decoding.policy import DraftLength, PassCost, Probes, TreeSize
 from specdeploy.runtime.decoding.request import Request
 from specdeploy.runtime.decoding.sampling import SamplingParams
-from specdeploy.runtime.decoding.session import Generation, Piece, Prompts, Result, Session, TextCut, tree_sizes
+from specdeploy.runtime.decoding.session import (
+    Generation, Piece, Prompts, Result, Session, TextCut, chain_nodes, tree_sizes,
+)
 from specdeploy.runtime.decoding.stats import Round, Stats, finish_reason
 from specdeploy.runtime.decoding.tokenizer import Tokenizer
 from specdeploy.runtime.decoding.tree import DraftTree, TreeLayout
@@ -204,8 +206,7 @@ class Lane:
     req: Request
     ids: np.ndarray  # prompt + room for every new token
     n: int  # prompt tokens
-    params: SamplingParams
-    rng: np.random.Generator
+    judge: Judge  # its sampling settings, random stream and verdicts
     drafter: object | None  # a fork of the bundle's model-free drafter, or the batch's BatchDraft; None: plain
     sizes: TreeSize | None  # per-rank acceptance (greedy auto), or the lane's own policy (sampled, pinned trees)
     fixed: int | None  # a pinned draft length (of chain rounds)
@@ -225,6 +226,14 @@ class Lane:
     tokens: np.ndarray | None = None  # the drafts to verify (chain) or candidates (sampled tree lanes)
     tree: DraftTree | None = None
     proposal: Proposal | None = None  # a model draft's, with its probabilities and costs
+
+    @property
+    def params(self) -> SamplingParams:
+        return self.judge.params
+
+    @property
+    def rng(self) -> np.random.Generator:
+        return self.judge.rng
 
     @property
     def ready(self) -> bool:
@@ -420,7 +429,8 @@ class BatchSession(Prompts):
         ids = np.empty(len(req.prompt_ids) + req.max_new_tokens, dtype=np.int64)
         n = len(req.prompt_ids)
         ids[:n] = req.prompt_ids
-        params = SamplingParams(req.temperature, req.top_k, req.top_p, req.seed)
+        params = SamplingParams.of(req)
+        judge = Judge(params, np.random.default_rng(params.seed), n, req.logprobs)
         max_draft = self.bundle.max_draft
         fixed = None if req.draft_len == "auto" else req.draft_len
         speculate = (self.drafter is not None or self.draft is not None) and req.speculate and fixed != 0
@@ -429,7 +439,7 @@ class BatchSession(Prompts):
                        DraftLength(max_draft, cost_ratio=self.draft.cost_ratio, measure=params.greedy))
             if params.greedy and fixed is None:
                 lengths.carry_from(self._auto_lengths)
-            return Lane(req, ids, n, params, np.random.default_rng(params.seed), self.draft, None, fixed, lengths,
+            return Lane(req, ids, n, judge, self.draft, None, fixed, lengths,
                         text=self._text(req), end=n)
         drafter = self.drafter.fork() if speculate else None
         if drafter is not None and drafter.keeps_history:
@@ -439,11 +449,11 @@ class BatchSession(Prompts):
             # Session's tree policy for the request: greedy auto lanes keep their per-rank acceptance
             # for the batch's policy; sampled and pinned ones run it exactly as a Session alone
             capable = drafter.proposes_trees and self.target.trees
-            sizes = tree_sizes(req.tree_nodes, req.draft_len, drafter, params, capable, self.bundle, None)
+            sizes = tree_sizes(chain_nodes(req), req.draft_len, drafter, params, capable, self.bundle, None)
             if sizes is not None and params.greedy:
                 _carry(sizes, self._auto if sizes.chains else self._auto_tree)
         depth = max_draft if fixed is None or sizes is None or sizes.chains else fixed
-        return Lane(req, ids, n, params, np.random.default_rng(params.seed), drafter, sizes,
+        return Lane(req, ids, n, judge, drafter, sizes,
                     fixed if sizes is None else None, text=self._text(req), end=n, depth=depth)
 
     def _text(self, req: Request) -> TextCut:
@@ -797,7 +807,7 @@ class BatchSession(Prompts):
         tokens = logits.argmax(axis=-1) if lane.params.greedy else None
         check_finite(self.target, logits, start, tokens)
         if lane.tree is not None:  # a tree, or a chain its own policy sized: judged as Session's round judges it
-            path, token = accept_path(lane.tree, logits, tokens, lane.params, lane.rng)
+            path, token = lane.judge.tree(lane.ids[: lane.end], lane.tree, logits, tokens)
             if path != list(range(len(path))):  # off the main chain: the path's K/V into a chain's slots
                 self.target.move_kv(lane.slot, lane.end + np.asarray(path, dtype=np.int64), lane.end)
             trees = lane.trees
@@ -807,8 +817,8 @@ class BatchSession(Prompts):
                               Round(lane.tree.size, len(path), 0.0, tree=trees, path=tuple(path), scores=lane.tree.probs))
             return np.append(lane.tree.tokens[path], token), record
         drafts, p = lane.tokens, lane.proposal
-        n_accepted, token = accept_chain(Checked(drafts, p.probs if p is not None else None, logits, tokens),
-                                         lane.params, lane.rng)
+        n_accepted, token = lane.judge.chain(lane.ids[: lane.end], Checked(drafts, p.probs if p is not None else None,
+                                                                           logits, tokens))
         chosen = drafts.shape[0] if lane.drafter is not None else None
         if p is not None:  # a model draft's round, recorded as Session records it
             record = Round(drafts.shape[0], n_accepted, seconds, p.seconds, p.passes, p.caught_up, p.first_seconds, chosen)
@@ -836,7 +846,9 @@ class BatchSession(Prompts):
         if s.new_tokens == new.shape[0]:
             s.first_token_seconds = s.seconds
             s.first_round_tokens = s.new_tokens
-        lane.out.put(lane.text.push(new))
+        piece = lane.text.push(new)
+        piece.logprobs = lane.judge.take(new.shape[0])
+        lane.out.put(piece)
         self.timing["tokens"] += new.shape[0]
         return eos is not None or s.new_tokens >= lane.req.max_new_tokens or lane.text.met["stop"]
 

@@ -19,7 +19,7 @@ import numpy as np
 
 from specdeploy.core.errors import BundleError
 
-from specdeploy.runtime.decoding.accept import accept_chain, accept_path
+from specdeploy.runtime.decoding.accept import Judge
 from specdeploy.runtime.decoding.drafters import Drafter, Proposal
 from specdeploy.runtime.decoding.engine import Checked, Engine
 from specdeploy.runtime.decoding.policy import DraftLength, TreeSize
@@ -82,13 +82,16 @@ class DecodeSettings:
     draft_len: DraftLength
     tree: TreeSize | None = None
     cache: PromptCache | None = None
+    logprobs: int | None = None  # each committed token's log probability and this many alternatives
 
     def __post_init__(self):
         object.__setattr__(self, "eos_token_ids", frozenset(int(t) for t in self.eos_token_ids))
 
 
-def decode(target: Engine, drafter: Drafter | None, prompt_ids: np.ndarray, settings: DecodeSettings, stats: Stats):
-    """Yield the committed tokens of each round until EOS or max_new_tokens.
+def decode(target: Engine, drafter: Drafter | None, prompt_ids: np.ndarray, settings: DecodeSettings, stats: Stats,
+           judge: Judge | None = None):
+    """Yield the committed tokens of each round until EOS or max_new_tokens. `judge` (made here
+    when not given) judges the rounds; after each, `judge.take` has its tokens' logprobs.
 
     The caller has checked that prompt + max_new_tokens fits the bundle's max sequence.
     Host synchronisation: each engine pass returns its logits to the host once, so a round
@@ -98,7 +101,7 @@ def decode(target: Engine, drafter: Drafter | None, prompt_ids: np.ndarray, sett
     """
     t_start = time.perf_counter()
     s, cache = settings, settings.cache
-    rng = np.random.default_rng(s.params.seed)
+    judge = judge or Judge(s.params, np.random.default_rng(s.params.seed), prompt_ids.shape[0], s.logprobs)
     ids = np.empty(prompt_ids.shape[0] + s.max_new_tokens, dtype=np.int64)  # allocated once
     n = prompt_ids.shape[0]
     ids[:n] = prompt_ids
@@ -115,7 +118,7 @@ def decode(target: Engine, drafter: Drafter | None, prompt_ids: np.ndarray, sett
     try:
         while end - n < s.max_new_tokens:
             wanted = s.max_new_tokens - (end - n)  # never drafts past it: they would be thrown away
-            new = next_round(target, drafter, ids[:end], wanted - 1, s, rng, stats)[:wanted]
+            new = next_round(target, drafter, ids[:end], wanted - 1, s, judge, stats)[:wanted]
             eos = next((i for i, token in enumerate(new.tolist()) if token in s.eos_token_ids), None)  # no numpy
             if eos is not None:
                 new = new[: eos + 1]
@@ -137,15 +140,15 @@ def decode(target: Engine, drafter: Drafter | None, prompt_ids: np.ndarray, sett
 
 
 def next_round(target: Engine, drafter: Drafter | None, ids: np.ndarray, most: int, s: DecodeSettings,
-               rng: np.random.Generator, stats: Stats) -> np.ndarray:
+               judge: Judge, stats: Stats) -> np.ndarray:
     """One round of at most `most` drafts (tree nodes deep), sized by its policy, which then
     learns from the round's record, as `stats` does. Returns the tokens it commits."""
     if s.tree is not None:
-        new, round = tree_round(target, drafter, ids, s.tree, min(s.draft_len.max_k, most), s.params, rng)
+        new, round = tree_round(target, drafter, ids, s.tree, min(s.draft_len.max_k, most), judge)
         s.tree.update(round)
     else:
         k = min(s.draft_len.choose(), most) if drafter is not None else 0
-        new, round = speculative_round(target, drafter, ids, k, s.params, rng, s.draft_len.min_confidence)
+        new, round = speculative_round(target, drafter, ids, k, judge, s.draft_len.min_confidence)
         if drafter is not None:
             s.draft_len.update(round)
     stats.record(round)
@@ -153,23 +156,22 @@ def next_round(target: Engine, drafter: Drafter | None, ids: np.ndarray, most: i
 
 
 def speculative_round(
-    target: Engine, drafter: Drafter | None, ids: np.ndarray, k: int, params: SamplingParams, rng: np.random.Generator,
-    min_confidence: float = 0.0,
+    target: Engine, drafter: Drafter | None, ids: np.ndarray, k: int, judge: Judge, min_confidence: float = 0.0,
 ) -> tuple[np.ndarray, Round]:
     """One round: draft up to k, verify k'+1 in one target pass, accept, correct or bonus.
     Returns the tokens it commits (1..k'+1) and its record. With k = 0 (or no drafter) it is
     one plain decoding step."""
-    chosen = k if drafter is not None else None
-    if params.greedy and (drafter is None or k == 0):
+    chosen, params, rng = k if drafter is not None else None, judge.params, judge.rng
+    if params.greedy and (drafter is None or k == 0) and not judge.needs_rows:
         token, verify_seconds = plain_step(target, ids)
         return np.array([token], dtype=np.int64), Round(0, 0, verify_seconds, chosen=chosen)
-    if drafter is not None and k > 0 and drafter.fused_with(target):
+    if drafter is not None and k > 0 and drafter.fused_with(target) and not judge.needs_rows:
         proposal, checked = drafter.propose_and_verify(target, ids, k, params, rng)  # on the device, one host sync
     else:
         drafting = drafter is not None and k > 0
         proposal = drafter.propose(ids, k, params, rng, min_confidence) if drafting else Proposal.nothing()
         checked = verify(target, ids, proposal, params)
-    n_accepted, next_token = accept_chain(checked, params, rng)
+    n_accepted, next_token = judge.chain(ids, checked)
     record = Round(checked.draft_tokens.shape[0], n_accepted, checked.verify_seconds, proposal.seconds,
                    proposal.passes, proposal.caught_up, proposal.first_seconds, chosen)
     return np.append(checked.draft_tokens[:n_accepted], next_token), record
@@ -204,8 +206,7 @@ def plain_step(target: Engine, ids: np.ndarray) -> tuple[int, float]:
 
 
 def tree_round(
-    target: Engine, drafter, ids: np.ndarray, sizes: TreeSize, max_depth: int, params: SamplingParams,
-    rng: np.random.Generator,
+    target: Engine, drafter, ids: np.ndarray, sizes: TreeSize, max_depth: int, judge: Judge,
 ) -> tuple[np.ndarray, Round]:
     """One tree round: the drafter's candidate tree, cut to the size the policy chooses, judged
     by the target in one pass; the accepted path's K/V move to the slots a chain would have
@@ -215,8 +216,8 @@ def tree_round(
     With `sizes.chains` the candidate is the drafter's chain (a model-free lookup, looked up
     before the policy decides how much of it to verify: the lookup is free, and what it found
     is the best guide to how far it holds), verified as a chain round."""
-    n = ids.shape[0]
-    candidates, lookup = look_up(drafter, ids, sizes, max_depth, target.max_seq, params, rng)
+    n, params = ids.shape[0], judge.params
+    candidates, lookup = look_up(drafter, ids, sizes, max_depth, target.max_seq, params, judge.rng)
     tree = candidates.prune(sizes.choose(candidates.probs, candidates.size))
     t0 = time.perf_counter()
     if tree.size and not tree.is_chain():
@@ -226,7 +227,7 @@ def tree_round(
     verify_seconds = time.perf_counter() - t0
     tokens = logits.argmax(axis=-1) if params.greedy else None
     check_finite(target, logits, n - 1, tokens)
-    path, token = accept_path(tree, logits, tokens, params, rng)
+    path, token = judge.tree(ids, tree, logits, tokens)
     if path != list(range(len(path))):  # off the main chain: move the path's K/V into place
         target.move_kv(n + np.asarray(path, dtype=np.int64), n)
     record = Round(tree.size, len(path), verify_seconds, lookup, chosen=tree.size if sizes.chains else None,

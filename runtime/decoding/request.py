@@ -38,6 +38,8 @@ DEFAULT_MAX_TOKENS = {False: 16, True: 256}  # plain, chat: when a request gives
 MAX_TREE_NODES = 32  # the most nodes a tree round verifies (a pass of 33 tokens)
 MAX_STOPS = 4
 MAX_TEMPERATURE = 2.0
+MAX_PENALTY = 2.0  # presence and frequency: [-2, 2] as OpenAI's API; repetition: (0, 2]
+MAX_LOGPROBS = 20  # alternatives per token, as OpenAI's `top_logprobs`
 SEED_END = 1 << 64  # seeds are unsigned 64-bit integers
 
 
@@ -155,6 +157,22 @@ def _top_k(value, limits):
     return None if value >= 0 else f"{_shown(value)} must be >= 0 (0: off)"
 
 
+def _min_p(value, limits):
+    return _outside(value, 0.0, 1.0)
+
+
+def _penalty(value, limits):
+    return _outside(value, -MAX_PENALTY, MAX_PENALTY)
+
+
+def _repetition(value, limits):
+    return _outside(value, 0.0, MAX_PENALTY, low_open=True)
+
+
+def _logprobs(value, limits):
+    return _outside(value, 0, MAX_LOGPROBS)
+
+
 def _seed(value, limits):
     return None if 0 <= value < SEED_END else f"{_shown(value)} is outside [0, 2**64)"
 
@@ -212,6 +230,19 @@ class Request:
         1.0, NUMBER, "temperature", "temperature", "TYPE_FP64", "[0, 2]; 0 is greedy (default 1)", _temperature)
     top_p: float = setting(1.0, NUMBER, "top-p", "top_p", "TYPE_FP64", "(0, 1]; 1 is off", _top_p)
     top_k: int = setting(0, INTEGER, "top-k", "top_k", "TYPE_INT32", ">= 0; 0 is off", _top_k)
+    min_p: float = setting(0.0, NUMBER, "min-p", "min_p", "TYPE_FP64", "[0, 1]; 0 is off", _min_p)
+    presence_penalty: float = setting(
+        0.0, NUMBER, "presence penalty", "presence_penalty", "TYPE_FP64",
+        "[-2, 2]: less each token the text holds (0 is off)", _penalty)
+    frequency_penalty: float = setting(
+        0.0, NUMBER, "frequency penalty", "frequency_penalty", "TYPE_FP64",
+        "[-2, 2]: less each token by how often the text holds it (0 is off)", _penalty)
+    repetition_penalty: float = setting(
+        1.0, NUMBER, "repetition penalty", "repetition_penalty", "TYPE_FP64",
+        "(0, 2]: tokens of prompt and text divided (1 is off)", _repetition)
+    logprobs: int | None = setting(
+        None, INTEGER, "logprobs", None, doc="each token's log probability and that many likeliest alternatives",
+        rule=_logprobs, optional=True)  # the server maps OpenAI's two forms (chat's and completions') to it
     seed: int | None = setting(
         None, INTEGER, "seed", "seed", "TYPE_UINT64", "the same seed gives the same text", _seed, optional=True)
     stop: tuple[str, ...] = setting(

@@ -15,6 +15,7 @@ from specdeploy.core.manifest import Bundle, load_bundle
 
 from specdeploy.runtime.backends import BackendChoice, Device, make_engine
 from specdeploy.runtime.backends.ort import settle_thread_pool, thread_pool_choice
+from specdeploy.runtime.decoding.accept import Judge, TokenLogprob
 from specdeploy.runtime.decoding.drafters import drafter_class, make_drafter
 from specdeploy.runtime.decoding.loop import DecodeSettings, PromptCache, decode
 from specdeploy.runtime.decoding.policy import DraftLength, TreeSize
@@ -36,10 +37,12 @@ class Result:
 
 @dataclass
 class Piece:
-    """One streamed piece: the text it completes and the token ids of its round."""
+    """One streamed piece: the text it completes, the token ids of its round and, where the
+    request asks for them, their log probabilities (one per id)."""
 
     text: str
     token_ids: list[int]
+    logprobs: list[TokenLogprob] | None = None
 
 
 class Generation:
@@ -170,10 +173,12 @@ class TextCut:
         return Piece(out, []) if out else None
 
 
-def text_pieces(rounds: Iterator[np.ndarray], cut: TextCut) -> Iterator[Piece]:
-    """A generation's rounds as text pieces, through `cut`: closed at its first stop string."""
+def text_pieces(rounds: Iterator[np.ndarray], cut: TextCut, judge: Judge | None = None) -> Iterator[Piece]:
+    """A generation's rounds as text pieces, through `cut`: closed at its first stop string.
+    `judge`: the rounds' judge, whose logprobs each piece carries."""
     for new in rounds:
         piece = cut.push(new)
+        piece.logprobs = judge.take(new.shape[0]) if judge is not None else None
         if cut.met["stop"]:
             rounds.close()
             yield piece
@@ -224,14 +229,18 @@ class Prompts:
     def request(self, prompt: str | None = None, *, prompt_ids=None, chat: bool = False, max_new_tokens: int = 128,
                 draft_len: int | str | None = "auto", speculate: bool = True, temperature: float = 0.0, top_k: int = 0,
                 top_p: float = 1.0, seed: int | None = None, stop: list[str] | tuple[str, ...] = (),
-                tree_nodes: int | str | None = "auto", private: bool = False) -> Request:
+                tree_nodes: int | str | None = "auto", private: bool = False, min_p: float = 0.0,
+                presence_penalty: float = 0.0, frequency_penalty: float = 0.0, repetition_penalty: float = 1.0,
+                logprobs: int | None = None) -> Request:
         """`stream`'s arguments as a Request, checked by the request schema (what a server refuses,
         this refuses)."""
         req = validate(dict(
             prompt=prompt, prompt_ids=None if prompt_ids is None else _as_ids(prompt_ids), chat=chat,
             max_new_tokens=max_new_tokens, draft_len=_auto_or_int(draft_len, "draft_len"), speculate=speculate,
             temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, stop=stop,
-            tree_nodes=_auto_or_int(tree_nodes, "tree_nodes"), private=private,
+            tree_nodes=_auto_or_int(tree_nodes, "tree_nodes"), private=private, min_p=min_p,
+            presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
+            repetition_penalty=repetition_penalty, logprobs=logprobs,
         ), self.limits)
         return req
 
@@ -319,23 +328,7 @@ class Session(Prompts):
         return twin
 
     # -- generation ----------------------------------------------------------------------
-    def stream(
-        self,
-        prompt: str | None = None,
-        *,
-        prompt_ids=None,
-        chat: bool = False,
-        max_new_tokens: int = 128,
-        draft_len: int | str | None = "auto",
-        speculate: bool = True,
-        temperature: float = 0.0,
-        top_k: int = 0,
-        top_p: float = 1.0,
-        seed: int | None = None,
-        stop: list[str] | tuple[str, ...] = (),
-        tree_nodes: int | str | None = "auto",
-        private: bool = False,
-    ) -> Generation:
+    def stream(self, prompt: str | None = None, **kwargs) -> Generation:
         """Start a generation; iterate the result for text pieces (valid UTF-8 each).
 
         draft_len: an int pins k; "auto" (or None) lets the runtime choose each round.
@@ -344,23 +337,23 @@ class Session(Prompts):
         of up to N nodes (depth up to draft_len), 1 keeps chains.
         private: the drafter draws only on this request's own text, and keeps none of it for
         later requests (a shared suffix index).
-        temperature 0 is greedy; with a seed, sampling replays exactly.
+        temperature 0 is greedy; with a seed, sampling replays exactly. min_p and the
+        presence, frequency and repetition penalties as OpenAI's and vLLM's APIs define them.
+        logprobs: each piece carries its tokens' log probabilities, with that many alternatives.
+        The keywords are those of `request`.
 
         The arguments are checked by the request schema (runtime/decoding/request.py) before
         anything else: what a server refuses, this refuses.
         """
-        return self.start(self.request(
-            prompt, prompt_ids=prompt_ids, chat=chat, max_new_tokens=max_new_tokens, draft_len=draft_len,
-            speculate=speculate, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, stop=stop,
-            tree_nodes=tree_nodes, private=private))
+        return self.start(self.request(prompt, **kwargs))
 
     def start(self, req: Request) -> Generation:
         """Start the generation of a request `validate` passed against this session's limits (a
         server's, checked before it waited for a session); `stream` takes the same as arguments."""
         req = self.prepare(req)
         ids = np.asarray(req.prompt_ids, dtype=np.int64)
-        draft_len, tree_nodes, speculate = req.draft_len, req.tree_nodes, req.speculate
-        params = SamplingParams(req.temperature, req.top_k, req.top_p, req.seed)
+        draft_len, tree_nodes, speculate = req.draft_len, chain_nodes(req), req.speculate
+        params = SamplingParams.of(req)
         if draft_len == "auto":
             cost = self.drafter.cost_ratio if self.drafter is not None else 0.0
             lengths = DraftLength(self.bundle.max_draft, cost_ratio=cost, measure=params.greedy)
@@ -408,9 +401,10 @@ class Session(Prompts):
         # request's cached_tokens, or its prefill time, can tell what it shared with this prompt.
         settings = DecodeSettings(max_new_tokens, self.eos_token_ids, self.bundle.prefill_chunk, params, lengths, tree,
                                   None if req.private else self.cache)
-        rounds = decode(self.target, drafter, ids, settings, stats)
+        judge = Judge(params, np.random.default_rng(params.seed), ids.shape[0], req.logprobs)
+        rounds = decode(self.target, drafter, ids, settings, stats, judge)
         cut = TextCut(self.tokenizer, stop, settings.eos_token_ids)
-        pieces = functools.partial(text_pieces, rounds, cut)
+        pieces = functools.partial(text_pieces, rounds, cut, judge)
 
         def finish(cancelled: bool) -> str:
             return finish_reason(cancelled=cancelled, **cut.met)
@@ -470,6 +464,13 @@ def tree_sizes(tree_nodes, draft_len, drafter, params: SamplingParams, capable: 
     if auto:
         return TreeSize(MAX_TREE_NODES, measure=params.greedy).carry_from(earlier)
     return TreeSize(n, fixed=n)
+
+
+def chain_nodes(req: Request) -> int | str:
+    """The request's tree nodes, or 1 (chains) where it asks for logprobs: a tree pass's rows can
+    differ from single steps in the last bits of a logit (its attention sums its keys in another
+    order), which leaves greedy tokens as they are but not the log probabilities reported."""
+    return 1 if req.logprobs is not None else req.tree_nodes
 
 
 def _attach(drafter, target) -> None:

@@ -33,7 +33,7 @@ import sys
 import threading
 import time
 import uuid
-from typing import Any
+from typing import Any, NamedTuple
 
 import anyio
 import uvicorn
@@ -103,9 +103,16 @@ def _json_number(value: Any) -> Any:
     return value
 
 
-def parse_request(body: Any, chat: bool, limits: Limits) -> tuple[Request, bool]:
-    """(the validated request, whether its answer streams). The body's fields are mapped to
-    the request schema's (OpenAI's names: `max_tokens`) and checked by its one `validate`.
+class Parsed(NamedTuple):
+    request: Request
+    stream: bool  # the answer as server-sent events
+    include_usage: bool = False  # `stream_options.include_usage`: a last chunk with the usage alone
+
+
+def parse_request(body: Any, chat: bool, limits: Limits) -> Parsed:
+    """The validated request and how to answer it. The body's fields are mapped to the request
+    schema's (OpenAI's names: `max_tokens`, or `max_completion_tokens`; chat's `logprobs` and
+    `top_logprobs`, or a completion's `logprobs` count) and checked by its one `validate`.
     Cheap: nothing here tokenizes, and each error names the field at fault."""
     if not isinstance(body, dict):
         raise BadRequest("the request body must be a JSON object")
@@ -130,14 +137,46 @@ def parse_request(body: Any, chat: bool, limits: Limits) -> tuple[Request, bool]
         value = body.get(s.wire) if s.wire is not None else None
         if value is not None:  # JSON null: absent, the default
             given[name] = _json_number(value) if s.kind is NUMBER else value
+    names = {**NAMES, **_openai_fields(body, chat, given)}
     try:
-        req = validate(given, limits, LABELS)
+        req = validate(given, limits, {name: f"'{wire}'" for name, wire in names.items()})
     except RequestError as e:
-        raise BadRequest(str(e), NAMES[e.field]) from None
+        raise BadRequest(str(e), names[e.field]) from None
     stream = _field(body, "stream", (bool,), False, "a boolean")
     if _field(body, "n", (int,), 1, "an integer") != 1:
         raise BadRequest("only 'n' = 1 is supported", "n")
-    return req, stream
+    options = body.get("stream_options")
+    if options is not None and not stream:
+        raise BadRequest("'stream_options' is only allowed with 'stream': true", "stream_options")
+    if options is not None and not isinstance(options, dict):
+        raise BadRequest(f"'stream_options' must be an object, got {json.dumps(options)[:40]}", "stream_options")
+    usage = _field(options or {}, "include_usage", (bool,), False, "a boolean") if options is not None else False
+    return Parsed(req, stream, usage)
+
+
+def _openai_fields(body: dict, chat: bool, given: dict[str, Any]) -> dict[str, str]:
+    """The fields OpenAI's API names in two ways, into `given` -> the wire names they came by
+    (for errors). `max_completion_tokens` is chat's newer `max_tokens`; log probabilities are
+    chat's `logprobs: true` with `top_logprobs` alternatives, a completion's `logprobs` count."""
+    names = {"logprobs": "top_logprobs" if chat else "logprobs"}
+    newer = body.get("max_completion_tokens")
+    if newer is not None:
+        older = body.get("max_tokens")
+        if older is not None and older != newer:
+            raise BadRequest("give 'max_tokens' or 'max_completion_tokens', not two different values",
+                             "max_completion_tokens")
+        given["max_new_tokens"] = newer
+        names["max_new_tokens"] = "max_completion_tokens"
+    if chat:
+        wanted = _field(body, "logprobs", (bool,), False, "a boolean")
+        top = body.get("top_logprobs")
+        if top is not None and not wanted:
+            raise BadRequest("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+        if wanted:
+            given["logprobs"] = 0 if top is None else top
+    elif body.get("logprobs") is not None:
+        given["logprobs"] = body["logprobs"]
+    return names
 
 
 def _parse_json(raw: bytes) -> Any:
@@ -151,7 +190,7 @@ def _parse_json(raw: bytes) -> Any:
         raise BadRequest(f"the request body is not valid JSON ({str(e).splitlines()[0][:120]})") from None
 
 
-def _parse(raw: bytes, chat: bool, limits: Limits) -> tuple[Request, bool]:
+def _parse(raw: bytes, chat: bool, limits: Limits) -> Parsed:
     """The body's JSON, then its fields: `parse_request`. A 4 MB array of token ids takes the
     two about half a second, which is why a large body runs this in a worker thread."""
     return parse_request(_parse_json(raw), chat, limits)
@@ -313,10 +352,10 @@ def create_app(
         try:
             raw = await _read_body(request, max_body_bytes)
             if len(raw) < OFF_LOOP_BYTES:
-                req, stream = _parse(raw, chat, limits)
+                parsed = _parse(raw, chat, limits)
             else:
-                req, stream = await anyio.to_thread.run_sync(_parse, raw, chat, limits,
-                                                             limiter=acquire_parse_limiter())
+                parsed = await anyio.to_thread.run_sync(_parse, raw, chat, limits, limiter=acquire_parse_limiter())
+            req = parsed.request
             pool.check_capacity()  # before the template and the tokenizer
             req = await run_in_threadpool(_encode, pool, req)
         except TooLarge as e:
@@ -338,7 +377,7 @@ def create_app(
             log.exception("unexpected error while reading a request")
             outcome("500")
             return _error(500, f"internal error ({type(e).__name__})", "server_error")
-        return _Run(pool, metrics, outcome, req, stream, chat, model_name, started, acquire_limiter(), shutdown)
+        return _Run(pool, metrics, outcome, req, parsed, chat, model_name, started, acquire_limiter(), shutdown)
 
     async def health(request: HttpRequest) -> Response:
         stopping = shutdown.stopping or pool.closing.is_set()
@@ -402,10 +441,12 @@ class _Run:
     client's disconnect. Nothing is sent before the first round has run, so a failure up to
     there is a JSON error with its own status, never a 200 cut short."""
 
-    def __init__(self, pool, metrics, outcome, req: Request, stream: bool, chat, model_name, started, limiter,
+    def __init__(self, pool, metrics, outcome, req: Request, parsed: Parsed, chat, model_name, started, limiter,
                  shutdown: Shutdown):
         self.pool, self.metrics, self.outcome, self.req, self.chat = pool, metrics, outcome, req, chat
-        self.started, self.limiter, self.stream, self.shutdown = started, limiter, stream, shutdown
+        self.started, self.limiter, self.shutdown = started, limiter, shutdown
+        self.stream, self.include_usage = parsed.stream, parsed.include_usage
+        self.logprobs = LogprobsForm(pool.session.tokenizer, chat) if req.logprobs is not None else None
         self.base = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}", "created": int(time.time()),
                      "model": model_name}
         self.cancel = threading.Event()  # set when the client leaves
@@ -508,7 +549,7 @@ class _Run:
 
     async def _generate(self, gen, send) -> None:
         chat, kind = self.chat, "chat.completion.chunk" if self.chat else "text_completion"
-        texts, started_stream = [], False
+        texts, logprobs, started_stream = [], [], False
 
         def event(payload) -> dict:
             return {"type": "http.response.body", "body": f"data: {json.dumps(payload)}\n\n".encode(), "more_body": True}
@@ -548,11 +589,14 @@ class _Run:
                 if piece is None:
                     break
                 if self.stream:
-                    if piece.text:
+                    if piece.text or (self.logprobs is not None and piece.logprobs):
                         choice = {"index": 0, "delta": {"content": piece.text}} if chat else {"index": 0, "text": piece.text}
+                        if self.logprobs is not None:
+                            choice["logprobs"] = self.logprobs.part(piece.logprobs)
                         await send(event({**self.base, "object": kind, "choices": [{**choice, "finish_reason": None}]}))
                 else:
                     texts.append(piece.text)
+                    logprobs += piece.logprobs or []
         except Exception as e:
             if isinstance(e, InputError):
                 status, kind_, message = 400, "invalid_request_error", str(e)
@@ -576,16 +620,21 @@ class _Run:
         self.outcome("200")
         if self.stream:
             last = {"index": 0, "delta": {}} if chat else {"index": 0, "text": ""}
-            await send(event({**self.base, "object": kind, "choices": [{**last, "finish_reason": finish}],
-                              "usage": _usage(stats)}))
+            if self.include_usage:  # OpenAI's form: the usage alone in a last chunk with no choices
+                await send(event({**self.base, "object": kind, "choices": [{**last, "finish_reason": finish}]}))
+                await send(event({**self.base, "object": kind, "choices": [], "usage": _usage(stats)}))
+            else:
+                await send(event({**self.base, "object": kind, "choices": [{**last, "finish_reason": finish}],
+                                  "usage": _usage(stats)}))
             await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
             return
         text = "".join(texts)
         choice = (
             {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish}
             if chat
-            else {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
+            else {"index": 0, "text": text, "finish_reason": finish}
         )
+        choice["logprobs"] = self.logprobs.part(logprobs) if self.logprobs is not None else None
         await self._json(send, 200, {
             **self.base,
             "object": "chat.completion" if chat else "text_completion",
@@ -593,6 +642,39 @@ class _Run:
             "usage": _usage(stats),
             "specdeploy": stats.as_dict(),
         })
+
+
+class LogprobsForm:
+    """Log probabilities as OpenAI's API gives them: chat's `{"content": [{token, logprob,
+    bytes, top_logprobs}]}`, a completion's `{tokens, token_logprobs, top_logprobs,
+    text_offset}`; a token's text is its id decoded alone (special tokens included)."""
+
+    def __init__(self, tokenizer, chat: bool):
+        self.chat = chat
+        self.text = functools.lru_cache(maxsize=4096)(lambda t: tokenizer.decode([t], skip_special_tokens=False))
+        self.offset = 0  # a completion's: characters of text before the next token
+
+    def part(self, entries) -> dict:
+        """The log probabilities of a piece's tokens (or of a whole answer's)."""
+        entries = entries or []
+        if self.chat:
+            return {"content": [{**self._one(e.token, e.logprob), "top_logprobs": [self._one(t, lp) for t, lp in e.top]}
+                                for e in entries]}
+        tokens, offsets = [self.text(e.token) for e in entries], []
+        for t in tokens:
+            offsets.append(self.offset)
+            self.offset += len(t)
+        return {"tokens": tokens, "token_logprobs": [_finite(e.logprob) for e in entries],
+                "top_logprobs": [{self.text(t): _finite(lp) for t, lp in e.top} for e in entries], "text_offset": offsets}
+
+    def _one(self, token: int, logprob: float) -> dict:
+        text = self.text(token)
+        return {"token": text, "logprob": _finite(logprob), "bytes": list(text.encode())}
+
+
+def _finite(logprob: float) -> float:
+    """JSON has no -Infinity: a token the row rules out reads as vLLM gives it."""
+    return max(logprob, -9999.0)
 
 
 def _usage(stats) -> dict:
