@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM
 from specdeploy.runtime import Session
 from specdeploy.runtime.decoding.batch import BatchSession
 from specdeploy.runtime.decoding.sampling import EMPTY, SamplingParams, penalize, warp
-from test_sampling import SAMPLES, ALPHA, chi_square_pvalue, small_vocab  # noqa: F401  (a fixture)
+from test_sampling import SAMPLES, ALPHA, chi_square_pvalue
 from tiny import PROMPTS
 
 NEW = 40

@@ -92,42 +92,9 @@ def test_warp_filters():
 
 # -- the distribution test --------------------------------------------------------------
 
-VOCAB = 16
 SAMPLES = 1500
 ALPHA = 1e-3  # significance: a correct sampler fails a given seeded run with probability 0.1%
 SETTINGS = [SamplingParams(1.0), SamplingParams(0.7, top_k=6), SamplingParams(1.3, top_p=0.9)]
-
-
-@pytest.fixture(scope="module")
-def small_vocab(tmp_path_factory):
-    import tiny
-
-    from specdeploy.export import build_bundle
-
-    root = tmp_path_factory.mktemp("small")
-    # initializer_range 0.5: peaked but not degenerate next-token distributions
-    tiny.make_model(root / "t", "llama", seed=11, layers=2, vocab_size=VOCAB, initializer_range=0.5)
-    tiny.make_model(root / "d", "llama", seed=12, layers=1, vocab_size=VOCAB, initializer_range=0.5)
-    out = {}
-    for name, draft in (("model", str(root / "d")), ("ngram", "ngram"), ("self-int8", "self:dtype=int8")):
-        build_bundle(root / "t", draft, root / name, max_seq=32, max_draft=4, prefill_chunk=8)
-        session = Session(root / name)
-        session.eos_token_ids = []  # every sample has two tokens: the pairs are the whole outcome
-        out[name] = session, _prompt_with_a_fair_draft(session)
-    return out
-
-
-def _prompt_with_a_fair_draft(session):
-    """A prompt [x, y, z, x, y]: the n-gram drafter proposes z, and the target gives z a
-    middling probability, so both the accept and the reject paths carry real weight."""
-    best, best_score = None, -1.0
-    for x, y, z in np.random.default_rng(0).integers(3, VOCAB, size=(60, 3)):
-        prompt = [int(x), int(y), int(z), int(x), int(y)]
-        session.target.forward(np.array(prompt), 0)
-        p = warp(session.target.forward(np.array(prompt[-1:]), 4).copy(), SETTINGS[0])[0, z]
-        if min(p, 1 - p) > best_score:
-            best, best_score = prompt, min(p, 1 - p)
-    return best
 
 
 def exact_first_two(session, prompt, params):

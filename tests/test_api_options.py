@@ -1,0 +1,116 @@
+"""What assistants send on every request, through `serve` over loopback HTTP and the real
+`openai` client: logprobs (chat's and completions' forms), the penalties and min-p,
+`max_completion_tokens`, `stream_options.include_usage`; each answer equal to what a Session
+alone gives for the same request, and each bad field a 400 that names it."""
+import json
+
+import httpx
+import pytest
+
+from specdeploy.runtime import Session
+from specdeploy.runtime.decoding.batch import BatchSession
+from loopback import Server
+from tiny import PROMPTS
+
+openai = pytest.importorskip("openai")
+PENALTIES = dict(presence_penalty=0.8, frequency_penalty=0.6)
+
+
+@pytest.fixture(scope="module")
+def server(bundles):
+    batch = BatchSession(bundles("llama-ngram"), batch=4, max_queue=8)  # what `serve` runs by default
+    with Server(batch) as s:
+        yield s
+    batch.close()
+
+
+@pytest.fixture(scope="module")
+def session(bundles):
+    return Session(bundles("llama-ngram"))
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused")
+
+
+def _alone(session, **kw):
+    pieces = list(session.stream(**kw))
+    return [t for p in pieces for t in p.token_ids], [e for p in pieces for e in (p.logprobs or [])]
+
+
+def test_chat_logprobs_equal_a_sessions(client, session):
+    messages = [{"role": "user", "content": PROMPTS[0]}]
+    out = client.chat.completions.create(model="tiny", messages=messages, max_completion_tokens=12, temperature=0,
+                                         logprobs=True, top_logprobs=3, **PENALTIES)
+    ids = session.encode_messages(messages)
+    tokens, logprobs = _alone(session, prompt_ids=ids, max_new_tokens=12, logprobs=3, **PENALTIES)
+    content = out.choices[0].logprobs.content
+    assert out.usage.completion_tokens == len(tokens) == len(content)
+    text = session.tokenizer.decode
+    for got, want in zip(content, logprobs):
+        assert got.token == text([want.token], skip_special_tokens=False)
+        assert got.logprob == want.logprob and got.bytes == list(got.token.encode())
+        assert [(t.token, t.logprob) for t in got.top_logprobs] == [
+            (text([t], skip_special_tokens=False), lp) for t, lp in want.top]
+    # streamed: the same entries, chunk by chunk
+    streamed = client.chat.completions.create(model="tiny", messages=messages, max_completion_tokens=12, temperature=0,
+                                              logprobs=True, top_logprobs=3, stream=True, **PENALTIES)
+    entries = [e for chunk in streamed if chunk.choices and chunk.choices[0].logprobs
+               for e in chunk.choices[0].logprobs.content]
+    assert [(e.token, e.logprob) for e in entries] == [(e.token, e.logprob) for e in content]
+
+
+def test_completion_logprobs_in_the_legacy_form(client, session):
+    out = client.completions.create(model="tiny", prompt=PROMPTS[1], max_tokens=10, temperature=0, logprobs=2)
+    tokens, logprobs = _alone(session, prompt=PROMPTS[1], max_new_tokens=10, logprobs=2)
+    lp = out.choices[0].logprobs
+    assert lp.token_logprobs == [e.logprob for e in logprobs]
+    assert [list(d) for d in lp.top_logprobs] == [
+        [session.tokenizer.decode([t], skip_special_tokens=False) for t, _ in e.top] for e in logprobs]
+    assert "".join(lp.tokens) == out.choices[0].text  # byte-level pieces of this text decode alone
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+
+
+def test_penalties_and_min_p_change_the_answer_as_they_change_a_sessions(client, session):
+    for settings in (PENALTIES, dict(frequency_penalty=-0.6, presence_penalty=0.4), dict(min_p=0.2, seed=4)):
+        extra = {k: v for k, v in settings.items() if k in ("min_p",)}
+        known = {k: v for k, v in settings.items() if k not in extra}
+        temperature = 0.9 if "seed" in settings else 0
+        out = client.completions.create(model="tiny", prompt=PROMPTS[2], max_tokens=20, temperature=temperature,
+                                        extra_body=extra, **known)
+        want = session.generate(PROMPTS[2], max_new_tokens=20, temperature=temperature, **settings)
+        assert out.choices[0].text == want.text, settings
+    plain = session.generate(PROMPTS[2], max_new_tokens=20).text
+    assert session.generate(PROMPTS[2], max_new_tokens=20, **PENALTIES).text != plain
+
+
+def test_stream_options_include_usage_sends_the_usage_last(client):
+    chunks = list(client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=8, temperature=0, stream=True,
+        stream_options={"include_usage": True}))
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 8
+    assert all(c.usage is None for c in chunks[:-1])
+    assert chunks[-2].choices[0].finish_reason == "length"
+
+
+@pytest.mark.parametrize("path, body, param, fragment", [
+    ("chat", {"top_logprobs": 2}, "top_logprobs", "'top_logprobs' needs 'logprobs': true"),
+    ("chat", {"logprobs": True, "top_logprobs": 21}, "top_logprobs", "'top_logprobs' 21 is outside [0, 20]"),
+    ("chat", {"logprobs": 1}, "logprobs", "'logprobs' must be a boolean"),
+    ("completions", {"logprobs": -1}, "logprobs", "'logprobs' -1 is outside [0, 20]"),
+    ("completions", {"presence_penalty": 2.5}, "presence_penalty", "'presence_penalty' 2.5 is outside [-2, 2]"),
+    ("completions", {"repetition_penalty": 0}, "repetition_penalty", "'repetition_penalty' 0.0 is outside (0, 2]"),
+    ("completions", {"min_p": 1.5}, "min_p", "'min_p' 1.5 is outside [0, 1]"),
+    ("chat", {"max_completion_tokens": 0}, "max_completion_tokens", "'max_completion_tokens' 0 is outside [1, 128]"),
+    ("chat", {"max_tokens": 4, "max_completion_tokens": 5}, "max_completion_tokens", "not two different values"),
+    ("chat", {"stream_options": {"include_usage": True}}, "stream_options", "only allowed with 'stream': true"),
+    ("chat", {"stream": True, "stream_options": {"include_usage": 1}}, "include_usage", "must be a boolean"),
+])
+def test_bad_fields_get_a_400_that_names_them(server, path, body, param, fragment):
+    base = {"messages": [{"role": "user", "content": "hi"}]} if path == "chat" else {"prompt": "hi"}
+    r = httpx.post(f"{server.url}/v1/{'chat/completions' if path == 'chat' else 'completions'}",
+                   content=json.dumps({**base, **body}), headers={"content-type": "application/json"})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert fragment in error["message"] and error["param"] == param
