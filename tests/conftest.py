@@ -3,7 +3,6 @@ import shutil
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 os.environ["HF_HUB_OFFLINE"] = "1"
@@ -18,7 +17,6 @@ sys.path.insert(0, str(Path(__file__).parent))
 import tiny  # noqa: E402
 
 MAX_SEQ = 128
-VOCAB = 16  # the distribution tests' bundles (small_vocab)
 PREFILL_CHUNK = 16  # smaller than the longer prompts, so prefill runs in several chunks
 
 
@@ -133,27 +131,12 @@ def small_vocab(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("small")
     # initializer_range 0.5: peaked but not degenerate next-token distributions
-    tiny.make_model(root / "t", "llama", seed=11, layers=2, vocab_size=VOCAB, initializer_range=0.5)
-    tiny.make_model(root / "d", "llama", seed=12, layers=1, vocab_size=VOCAB, initializer_range=0.5)
+    tiny.make_model(root / "t", "llama", seed=11, layers=2, vocab_size=tiny.VOCAB, initializer_range=0.5)
+    tiny.make_model(root / "d", "llama", seed=12, layers=1, vocab_size=tiny.VOCAB, initializer_range=0.5)
     out = {}
     for name, draft in (("model", str(root / "d")), ("ngram", "ngram"), ("self-int8", "self:dtype=int8")):
         build_bundle(root / "t", draft, root / name, max_seq=32, max_draft=4, prefill_chunk=8)
         session = Session(root / name)
         session.eos_token_ids = []  # every sample has two tokens: the pairs are the whole outcome
-        out[name] = session, _prompt_with_a_fair_draft(session)
+        out[name] = session, tiny.prompt_with_a_fair_draft(session)
     return out
-
-
-def _prompt_with_a_fair_draft(session):
-    """A prompt [x, y, z, x, y]: the n-gram drafter proposes z, and the target gives z a
-    middling probability, so both the accept and the reject paths carry real weight."""
-    from specdeploy.runtime.decoding.sampling import SamplingParams, warp
-
-    best, best_score = None, -1.0
-    for x, y, z in np.random.default_rng(0).integers(3, VOCAB, size=(60, 3)):
-        prompt = [int(x), int(y), int(z), int(x), int(y)]
-        session.target.forward(np.array(prompt), 0)
-        p = warp(session.target.forward(np.array(prompt[-1:]), 4).copy(), SamplingParams(1.0))[0, z]
-        if min(p, 1 - p) > best_score:
-            best, best_score = prompt, min(p, 1 - p)
-    return best

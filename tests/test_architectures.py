@@ -156,8 +156,8 @@ def test_sampled_speculation_keeps_each_familys_distribution(name, tmp_path):
     tokens' frequencies over 1,500 seeds against the target's exact distribution, the suite's
     chi-square test (test_sampling.py: alpha 1e-3, and its companion showing a broken sampler
     fails it)."""
-    from test_sampling import ALPHA, SAMPLES, SETTINGS, VOCAB, _prompt_with_a_fair_draft, chi_square_pvalue, \
-        exact_first_two, sampled_first_two
+    from test_sampling import ALPHA, SAMPLES, SETTINGS, chi_square_pvalue, exact_first_two, sampled_first_two
+    from tiny import VOCAB, prompt_with_a_fair_draft as _prompt_with_a_fair_draft
 
     arch, extra = FAMILIES[name]
     tiny.make_model(tmp_path / "m", arch, seed=21, layers=2, vocab_size=VOCAB, initializer_range=0.5, **extra)

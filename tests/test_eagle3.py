@@ -209,7 +209,7 @@ def test_a_head_folder_is_recognised_by_its_config(target_folder, tmp_path):
 @pytest.fixture(scope="module")
 def small_head(tmp_path_factory):
     from specdeploy.export import build_bundle
-    from test_sampling import VOCAB, _prompt_with_a_fair_draft
+    from tiny import VOCAB, prompt_with_a_fair_draft as _prompt_with_a_fair_draft
 
     root = tmp_path_factory.mktemp("small-eagle3")
     tiny.make_model(root / "t", "llama", seed=11, layers=3, vocab_size=VOCAB, initializer_range=0.5)

@@ -13,7 +13,8 @@ from specdeploy.runtime.decoding import accept as accept_module
 from specdeploy.runtime.decoding.drafters import Proposal
 from specdeploy.runtime.decoding.tree import DraftTree
 from test_lossless import NEW_TOKENS, hf_greedy
-from test_sampling import ALPHA, SAMPLES, SETTINGS, VOCAB, chi_square_pvalue, exact_first_two
+from test_sampling import ALPHA, SAMPLES, SETTINGS, chi_square_pvalue, exact_first_two
+from tiny import VOCAB
 from tiny import PROMPTS
 
 

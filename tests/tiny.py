@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
+
 CHAT_TEMPLATE = (
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
     "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
@@ -152,3 +154,21 @@ def make_eagle3_head(folder: Path, target: Path, draft_vocab: int = 96, seed: in
     else:
         torch.save(tensors, folder / weights)
     return folder
+
+
+VOCAB = 16  # the distribution tests' tiny models (conftest.py small_vocab)
+
+
+def prompt_with_a_fair_draft(session):
+    """A prompt [x, y, z, x, y]: the n-gram drafter proposes z, and the target gives z a
+    middling probability, so both the accept and the reject paths carry real weight."""
+    from specdeploy.runtime.decoding.sampling import SamplingParams, warp
+
+    best, best_score = None, -1.0
+    for x, y, z in np.random.default_rng(0).integers(3, VOCAB, size=(60, 3)):
+        prompt = [int(x), int(y), int(z), int(x), int(y)]
+        session.target.forward(np.array(prompt), 0)
+        p = warp(session.target.forward(np.array(prompt[-1:]), 4).copy(), SamplingParams(1.0))[0, z]
+        if min(p, 1 - p) > best_score:
+            best, best_score = prompt, min(p, 1 - p)
+    return best
