@@ -24,7 +24,9 @@ from typing import NamedTuple
 
 import numpy as np
 
+from specdeploy.runtime.decoding.drafters.proposal import Proposal
 from specdeploy.runtime.decoding.engine import Checked
+from specdeploy.runtime.decoding.grammar import Constraint, mask_rows
 from specdeploy.runtime.decoding.sampling import EMPTY, SamplingParams, penalize, sample, warp
 from specdeploy.runtime.decoding.tree import DraftTree
 
@@ -44,26 +46,58 @@ class Judge:
     prompt's length (penalties count what follows it), and the log probabilities of the tokens
     it commits when `logprobs` (alternatives per token) is not None."""
 
-    def __init__(self, params: SamplingParams, rng: np.random.Generator, prompt_len: int, logprobs: int | None = None):
+    def __init__(self, params: SamplingParams, rng: np.random.Generator, prompt_len: int, logprobs: int | None = None,
+                 constraint: Constraint | None = None):
         self.params, self.rng, self.prompt_len, self.logprobs = params, rng, prompt_len, logprobs
+        self.constraint = constraint  # the request's grammar (chain rounds only: see session.chain_nodes)
         self._round: list[TokenLogprob] = []
 
     @property
     def needs_rows(self) -> bool:
         """Whether a round needs every row's logits on the host (not only its argmaxes)."""
-        return self.params.penalized or self.logprobs is not None
+        return self.params.penalized or self.logprobs is not None or self.constraint is not None
 
     def chain(self, ids: np.ndarray, checked: Checked) -> tuple[int, int]:
-        """A chain round's verdict (`accept_chain`) on rows that follow the committed `ids`."""
-        raw = checked.target_logits
+        """A chain round's verdict (`accept_chain`) on rows that follow the committed `ids`:
+        each row penalized, then masked by the grammar, under the tokens before it."""
+        raw, drafts = checked.target_logits, checked.draft_tokens
+        logits = raw
         if self.params.penalized:
-            drafts = checked.draft_tokens
             logits = penalize(raw, self.params, ids, self.prompt_len, [drafts[:i] for i in range(drafts.shape[0] + 1)])
+        if self.constraint is not None:
+            logits = mask_rows(logits, self.constraint.masks(drafts))
+        if logits is not raw:
             checked = replace(checked, target_logits=logits,
                               target_tokens=logits.argmax(axis=-1) if self.params.greedy else None)
         n, token = accept_chain(checked, self.params, self.rng)
-        self._keep(raw, list(range(n + 1)), checked.draft_tokens[:n].tolist() + [token])
+        committed = drafts[:n].tolist() + [token]
+        if self.constraint is not None:
+            self.constraint.commit(committed)
+        self._keep(raw, list(range(n + 1)), committed)
         return n, token
+
+    def admissible(self, tokens: np.ndarray, probs: np.ndarray | None, after: np.ndarray = EMPTY) -> np.ndarray:
+        """Drafts (that follow `after`) cut before the first the grammar forbids: it could never
+        be accepted, and the rows after it are wasted. Point-mass drafts only (n-gram, greedy,
+        forced): a sampled draft's rejection there draws from the residual p - q, which a cut
+        would skip."""
+        if self.constraint is None or (probs is not None and not self.params.greedy):
+            return tokens
+        return tokens[: self.constraint.valid(tokens, after)]
+
+    def cut(self, proposal: Proposal) -> Proposal:
+        """A drafter's proposal cut where the grammar leaves it (`admissible`)."""
+        if self.constraint is None:
+            return proposal
+        kept = self.admissible(proposal.tokens, proposal.probs)
+        return replace(proposal, tokens=kept, probs=None if proposal.probs is None else proposal.probs[: kept.shape[0]])
+
+    def forced(self, most: int) -> np.ndarray:
+        """Up to `most` tokens the grammar forces from here (each the only one it allows): drafts
+        that cost no lookup and hold for certain."""
+        if self.constraint is None or most <= 0:
+            return EMPTY
+        return np.asarray(self.constraint.forced()[:most], dtype=np.int64)
 
     def tree(self, ids: np.ndarray, tree: DraftTree, logits: np.ndarray, tokens: np.ndarray | None) -> tuple[list[int], int]:
         """A tree round's verdict (`accept_path`) on rows [N+1] (row 0 the root's) after `ids`."""
@@ -71,9 +105,16 @@ class Judge:
         if self.params.penalized:
             logits = penalize(raw, self.params, ids, self.prompt_len, [EMPTY] + [tree.tokens[path_to(tree, j)]
                                                                                 for j in range(tree.size)])
+        if self.constraint is not None:  # a chain (session.chain_nodes): its rows are a chain round's
+            assert tree.is_chain(), "a grammar's masks follow chains"
+            logits = mask_rows(logits, self.constraint.masks(tree.tokens))
+        if logits is not raw:
             tokens = logits.argmax(axis=-1) if self.params.greedy else None
         path, token = accept_path(tree, logits, tokens, self.params, self.rng)
-        self._keep(raw, [0] + [j + 1 for j in path], tree.tokens[path].tolist() + [token])
+        committed = tree.tokens[path].tolist() + [token]
+        if self.constraint is not None:
+            self.constraint.commit(committed)
+        self._keep(raw, [0] + [j + 1 for j in path], committed)
         return path, token
 
     def _keep(self, logits: np.ndarray, rows: list[int], tokens: list[int]) -> None:

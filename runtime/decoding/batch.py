@@ -430,7 +430,8 @@ class BatchSession(Prompts):
         n = len(req.prompt_ids)
         ids[:n] = req.prompt_ids
         params = SamplingParams.of(req)
-        judge = Judge(params, np.random.default_rng(params.seed), n, req.logprobs)
+        constraint = self.grammars.constraint(req.grammar) if req.grammar is not None else None
+        judge = Judge(params, np.random.default_rng(params.seed), n, req.logprobs, constraint)
         max_draft = self.bundle.max_draft
         fixed = None if req.draft_len == "auto" else req.draft_len
         speculate = (self.drafter is not None or self.draft is not None) and req.speculate and fixed != 0
@@ -672,11 +673,12 @@ class BatchSession(Prompts):
         if lane.sizes is None:  # a pinned k, as Session's chain round
             k = min(lane.fixed, most)
             lane.tokens = lane.drafter.propose(ids, k, lane.params, lane.rng).tokens if k > 0 else EMPTY
+            lane.tokens = lane.judge.admissible(lane.tokens, None)
             return lane.tokens.shape[0]
         if lane.greedy_auto and not look:
             return 0
-        candidates, _ = look_up(lane.drafter, ids, lane.sizes, min(lane.depth, most), self.bundle.max_seq,
-                                lane.params, lane.rng)
+        candidates, _, _ = look_up(lane.drafter, ids, lane.sizes, min(lane.depth, most), self.bundle.max_seq,
+                                   lane.judge)
         if lane.greedy_auto:  # the batch's policy chooses how much of it to verify
             lane.tree = candidates if lane.trees else None
             lane.tokens = candidates.tokens
@@ -699,6 +701,7 @@ class BatchSession(Prompts):
         confidence = [lane.lengths.min_confidence if lane.lengths is not None else 0.0 for lane in lanes]
         proposals = self.draft.propose(lanes, ks, confidence)
         for lane, proposal in zip(lanes, proposals):
+            proposal = lane.judge.cut(proposal) if proposal is not None else None  # where the grammar leaves it
             lane.tree, lane.proposal = None, proposal
             lane.tokens = proposal.tokens if proposal is not None else EMPTY
         for proposal in proposals:  # each lane's own passes, timed

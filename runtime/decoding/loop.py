@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -148,8 +148,8 @@ def next_round(target: Engine, drafter: Drafter | None, ids: np.ndarray, most: i
         s.tree.update(round)
     else:
         k = min(s.draft_len.choose(), most) if drafter is not None else 0
-        new, round = speculative_round(target, drafter, ids, k, judge, s.draft_len.min_confidence)
-        if drafter is not None:
+        new, round = speculative_round(target, drafter, ids, k, judge, s.draft_len.min_confidence, most)
+        if drafter is not None and not round.forced:  # a forced round says nothing of the drafter
             s.draft_len.update(round)
     stats.record(round)
     return new
@@ -157,24 +157,43 @@ def next_round(target: Engine, drafter: Drafter | None, ids: np.ndarray, most: i
 
 def speculative_round(
     target: Engine, drafter: Drafter | None, ids: np.ndarray, k: int, judge: Judge, min_confidence: float = 0.0,
+    most: int = 0,
 ) -> tuple[np.ndarray, Round]:
     """One round: draft up to k, verify k'+1 in one target pass, accept, correct or bonus.
     Returns the tokens it commits (1..k'+1) and its record. With k = 0 (or no drafter) it is
-    one plain decoding step."""
+    one plain decoding step. Under a grammar, a speculating round proposes the tokens it forces
+    (up to `most`) and cuts its drafts where the grammar leaves them (`grammar_draft`)."""
     chosen, params, rng = k if drafter is not None else None, judge.params, judge.rng
-    if params.greedy and (drafter is None or k == 0) and not judge.needs_rows:
+    forced, checked = judge.forced(most) if drafter is not None else EMPTY, None
+    if forced.shape[0]:  # the grammar drafts this round
+        proposal, chosen = grammar_draft(drafter, ids, forced, k, judge), None
+    elif params.greedy and (drafter is None or k == 0) and not judge.needs_rows:
         token, verify_seconds = plain_step(target, ids)
         return np.array([token], dtype=np.int64), Round(0, 0, verify_seconds, chosen=chosen)
-    if drafter is not None and k > 0 and drafter.fused_with(target) and not judge.needs_rows:
+    elif drafter is not None and k > 0 and drafter.fused_with(target) and not judge.needs_rows:
         proposal, checked = drafter.propose_and_verify(target, ids, k, params, rng)  # on the device, one host sync
     else:
         drafting = drafter is not None and k > 0
         proposal = drafter.propose(ids, k, params, rng, min_confidence) if drafting else Proposal.nothing()
+        proposal = judge.cut(proposal)
+    if checked is None:
         checked = verify(target, ids, proposal, params)
     n_accepted, next_token = judge.chain(ids, checked)
     record = Round(checked.draft_tokens.shape[0], n_accepted, checked.verify_seconds, proposal.seconds,
-                   proposal.passes, proposal.caught_up, proposal.first_seconds, chosen)
+                   proposal.passes, proposal.caught_up, proposal.first_seconds, chosen, forced=forced.shape[0])
     return np.append(checked.draft_tokens[:n_accepted], next_token), record
+
+
+def grammar_draft(drafter: Drafter, ids: np.ndarray, forced: np.ndarray, k: int, judge: Judge) -> Proposal:
+    """A round's drafts where the grammar forces `forced`: those, then (for a model-free drafter,
+    whose lookup can start after them at no cost) up to k of its own from there, cut before the
+    first the grammar forbids. A model draft proposes nothing this round: its next one catches up."""
+    t0 = time.perf_counter()
+    tokens = forced
+    if drafter.engine is None and k > 0:
+        more = drafter.propose(np.concatenate([ids, forced]), k, judge.params, judge.rng).tokens
+        tokens = np.concatenate([forced, judge.admissible(more, None, after=forced)])
+    return Proposal(tokens, seconds=time.perf_counter() - t0)
 
 
 def verify(target: Engine, ids: np.ndarray, proposal: Proposal, params: SamplingParams) -> Checked:
@@ -217,7 +236,7 @@ def tree_round(
     before the policy decides how much of it to verify: the lookup is free, and what it found
     is the best guide to how far it holds), verified as a chain round."""
     n, params = ids.shape[0], judge.params
-    candidates, lookup = look_up(drafter, ids, sizes, max_depth, target.max_seq, params, judge.rng)
+    candidates, lookup, forced = look_up(drafter, ids, sizes, max_depth, target.max_seq, judge)
     tree = candidates.prune(sizes.choose(candidates.probs, candidates.size))
     t0 = time.perf_counter()
     if tree.size and not tree.is_chain():
@@ -231,28 +250,36 @@ def tree_round(
     if path != list(range(len(path))):  # off the main chain: move the path's K/V into place
         target.move_kv(n + np.asarray(path, dtype=np.int64), n)
     record = Round(tree.size, len(path), verify_seconds, lookup, chosen=tree.size if sizes.chains else None,
-                   tree=not sizes.chains, path=tuple(path), scores=tree.probs)
+                   tree=not sizes.chains, path=tuple(path), scores=tree.probs, forced=min(forced, tree.size))
     return np.append(tree.tokens[path], token), record
 
 
+EMPTY = np.empty(0, dtype=np.int64)
 EMPTY_TREE = DraftTree(np.empty(0, dtype=np.int64), np.empty(0, dtype=np.int64), np.empty(0))
 
 
-def look_up(drafter, ids: np.ndarray, sizes: TreeSize, max_depth: int, max_seq: int, params: SamplingParams,
-            rng: np.random.Generator) -> tuple[DraftTree, float]:
+def look_up(drafter, ids: np.ndarray, sizes: TreeSize, max_depth: int, max_seq: int,
+            judge: Judge) -> tuple[DraftTree, float, int]:
     """A tree round's candidates (Session's rounds and a batch's lanes): the drafter's tree of at
     most `sizes.max_nodes` nodes up to `max_depth` deep, node i written at slot n + i of a buffer
-    of `max_seq` (n: the committed ids), or with `sizes.chains` its chain. -> (the candidates, the
-    lookup's seconds)."""
+    of `max_seq` (n: the committed ids), or with `sizes.chains` its chain: under a grammar, the
+    tokens it forces and then the lookup's, cut where the grammar leaves them. -> (the
+    candidates, the lookup's seconds, how many of the first candidates the grammar forced)."""
     room = min(sizes.max_nodes, max_seq - ids.shape[0])
     if max_depth <= 0 or room <= 0:
-        return EMPTY_TREE, 0.0
+        return EMPTY_TREE, 0.0, 0
     if sizes.chains:
-        proposal = drafter.propose(ids, min(room, max_depth), params, rng)
-        return DraftTree.chain(proposal.tokens), proposal.seconds
+        most = min(room, max_depth)
+        forced = judge.forced(most)
+        if forced.shape[0]:
+            proposal = grammar_draft(drafter, ids, forced, most - forced.shape[0], judge)
+        else:
+            proposal = drafter.propose(ids, most, judge.params, judge.rng)
+            proposal = replace(proposal, tokens=judge.admissible(proposal.tokens, None))
+        return DraftTree.chain(proposal.tokens), proposal.seconds, forced.shape[0]
     t0 = time.perf_counter()
     tree = drafter.propose_tree(ids, room, max_depth)
-    return tree, time.perf_counter() - t0
+    return tree, time.perf_counter() - t0, 0
 
 
 def check_finite(target: Engine, target_logits: np.ndarray, start: int, argmax: np.ndarray | None = None) -> None:

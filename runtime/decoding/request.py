@@ -51,6 +51,51 @@ class RequestError(InputError):
         self.field = field
 
 
+class Structure(NamedTuple):
+    """What a constrained output must match (runtime/decoding/grammar.py compiles it): `kind` one
+    of STRUCTURES; `source` the JSON schema as JSON text, the regular expression, the Lark
+    grammar, or the choices as a JSON array of strings ("" for any JSON object)."""
+
+    kind: str
+    source: str
+
+
+# the library's (and vLLM's `structured_outputs`) names for them -> the kinds
+STRUCTURES = {"json": "json_schema", "json_object": "json_object", "regex": "regex", "grammar": "grammar",
+              "choice": "choice"}
+
+
+def structure_of(value) -> Structure:
+    """A `structure` as a request gives it, one key of STRUCTURES: {"json": schema (an object or
+    its JSON text)}, {"json_object": true}, {"regex": text}, {"grammar": Lark text}, {"choice":
+    [strings]}; or a Structure. Raises ValueError saying what is wrong."""
+    if isinstance(value, Structure):
+        return value
+    if not isinstance(value, dict) or len(value) != 1 or next(iter(value)) not in STRUCTURES:
+        raise ValueError(f"must be an object with one of {', '.join(STRUCTURES)}")
+    (key, given), = value.items()
+    if key == "json":
+        if isinstance(given, str):
+            try:
+                given = json.loads(given)
+            except ValueError:
+                raise ValueError("'json' must be a JSON schema (an object, or its JSON text)") from None
+        if not isinstance(given, dict):
+            raise ValueError("'json' must be a JSON schema (an object, or its JSON text)")
+        return Structure("json_schema", json.dumps(given))
+    if key == "json_object":
+        if given is not True:
+            raise ValueError("'json_object' must be true")
+        return Structure("json_object", "")
+    if key == "choice":
+        if not isinstance(given, (list, tuple)) or not given or not all(isinstance(c, str) and c for c in given):
+            raise ValueError("'choice' must be a non-empty array of non-empty strings")
+        return Structure("choice", json.dumps(list(given)))
+    if not isinstance(given, str) or not given:
+        raise ValueError(f"'{key}' must be non-empty text")
+    return Structure(STRUCTURES[key], given)
+
+
 class Message(NamedTuple):
     """One turn of a chat."""
 
@@ -112,6 +157,9 @@ INTEGER_OR_AUTO = Kind("an integer or 'auto'", lambda v: v is None or _is_auto(v
                        shape=lambda v: "auto" if v is None else v, keep=lambda v: v if _is_auto(v) else int(v))
 STRINGS = Kind("a string or an array of strings", lambda v: isinstance(v, (str, list, tuple)),
                shape=lambda v: (v,) if isinstance(v, str) else tuple(v))
+
+STRUCTURE = Kind("an object with one of json, json_object, regex, grammar, choice",
+                 lambda v: isinstance(v, (dict, Structure)), keep=structure_of)
 
 Rule = Callable[[Any, "Limits | None"], "str | None"]  # (the shaped value, limits) -> what is wrong, or None
 
@@ -189,6 +237,14 @@ def _draft_len(value, limits):
     return None if _is_auto(value) else _outside(value, 0, limits.max_draft, note=" (the bundle's max draft)")
 
 
+def _structure(value, limits):
+    try:
+        structure_of(value)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
 def _tree_nodes(value, limits):
     return None if _is_auto(value) else _outside(value, 1, limits.max_tree_nodes, note=" (1: chains)")
 
@@ -257,6 +313,10 @@ class Request:
         False, BOOLEAN, "private", "private", "TYPE_BOOL",
         "the drafter draws on this request's text alone and keeps none of it (default false)")
     speculate: bool = setting(True, BOOLEAN, "speculate", None)  # False: the target alone
+    structure: Structure | None = setting(
+        None, STRUCTURE, "structure", None, doc="what the output must match (JSON schema, regex, grammar, choice)",
+        rule=_structure, optional=True)  # the server maps OpenAI's response_format and vLLM's structured_outputs to it
+    grammar: str | None = None  # the structure compiled for the bundle's tokenizer (by `Prompts.prepare`)
 
     @property
     def source(self) -> str:

@@ -4,7 +4,7 @@ from __future__ import annotations
 import functools
 import threading
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, Iterator, Mapping
 
@@ -16,6 +16,7 @@ from specdeploy.core.manifest import Bundle, load_bundle
 from specdeploy.runtime.backends import BackendChoice, Device, make_engine
 from specdeploy.runtime.backends.ort import settle_thread_pool, thread_pool_choice
 from specdeploy.runtime.decoding.accept import Judge, TokenLogprob
+from specdeploy.runtime.decoding.grammar import Grammars
 from specdeploy.runtime.decoding.drafters import drafter_class, make_drafter
 from specdeploy.runtime.decoding.loop import DecodeSettings, PromptCache, decode
 from specdeploy.runtime.decoding.policy import DraftLength, TreeSize
@@ -224,14 +225,23 @@ class Prompts:
             ids = self.encode_messages([m._asdict() for m in req.messages])
         else:
             ids = self.encode(req.prompt, req.chat)
-        return fit(req, ids, self.limits, labels)
+        req = fit(req, ids, self.limits, labels)
+        if req.structure is not None and req.grammar is None:
+            req = replace(req, grammar=self.grammars.compile(req.structure, labels.get("structure", "structure")))
+        return req
+
+    @functools.cached_property
+    def grammars(self) -> Grammars:
+        """The bundle's grammar compiler (built on the first constrained request)."""
+        return Grammars(self.tokenizer.path.read_text(encoding="utf-8"), self.target.vocab_size, self.tokenizer.size(),
+                        self.eos_token_ids)
 
     def request(self, prompt: str | None = None, *, prompt_ids=None, chat: bool = False, max_new_tokens: int = 128,
                 draft_len: int | str | None = "auto", speculate: bool = True, temperature: float = 0.0, top_k: int = 0,
                 top_p: float = 1.0, seed: int | None = None, stop: list[str] | tuple[str, ...] = (),
                 tree_nodes: int | str | None = "auto", private: bool = False, min_p: float = 0.0,
                 presence_penalty: float = 0.0, frequency_penalty: float = 0.0, repetition_penalty: float = 1.0,
-                logprobs: int | None = None) -> Request:
+                logprobs: int | None = None, structure=None) -> Request:
         """`stream`'s arguments as a Request, checked by the request schema (what a server refuses,
         this refuses)."""
         req = validate(dict(
@@ -240,7 +250,7 @@ class Prompts:
             temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, stop=stop,
             tree_nodes=_auto_or_int(tree_nodes, "tree_nodes"), private=private, min_p=min_p,
             presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
-            repetition_penalty=repetition_penalty, logprobs=logprobs,
+            repetition_penalty=repetition_penalty, logprobs=logprobs, structure=structure,
         ), self.limits)
         return req
 
@@ -340,6 +350,8 @@ class Session(Prompts):
         temperature 0 is greedy; with a seed, sampling replays exactly. min_p and the
         presence, frequency and repetition penalties as OpenAI's and vLLM's APIs define them.
         logprobs: each piece carries its tokens' log probabilities, with that many alternatives.
+        structure: what the text must match, one of {"json": a JSON schema}, {"json_object": True},
+        {"regex": ...}, {"grammar": a Lark grammar}, {"choice": [strings]} (grammar.py).
         The keywords are those of `request`.
 
         The arguments are checked by the request schema (runtime/decoding/request.py) before
@@ -401,7 +413,8 @@ class Session(Prompts):
         # request's cached_tokens, or its prefill time, can tell what it shared with this prompt.
         settings = DecodeSettings(max_new_tokens, self.eos_token_ids, self.bundle.prefill_chunk, params, lengths, tree,
                                   None if req.private else self.cache)
-        judge = Judge(params, np.random.default_rng(params.seed), ids.shape[0], req.logprobs)
+        constraint = self.grammars.constraint(req.grammar) if req.grammar is not None else None
+        judge = Judge(params, np.random.default_rng(params.seed), ids.shape[0], req.logprobs, constraint)
         rounds = decode(self.target, drafter, ids, settings, stats, judge)
         cut = TextCut(self.tokenizer, stop, settings.eos_token_ids)
         pieces = functools.partial(text_pieces, rounds, cut, judge)
@@ -467,10 +480,12 @@ def tree_sizes(tree_nodes, draft_len, drafter, params: SamplingParams, capable: 
 
 
 def chain_nodes(req: Request) -> int | str:
-    """The request's tree nodes, or 1 (chains) where it asks for logprobs: a tree pass's rows can
-    differ from single steps in the last bits of a logit (its attention sums its keys in another
-    order), which leaves greedy tokens as they are but not the log probabilities reported."""
-    return 1 if req.logprobs is not None else req.tree_nodes
+    """The request's tree nodes, or 1 (chains) where it asks for logprobs or a structure: a tree
+    pass's rows can differ from single steps in the last bits of a logit (its attention sums its
+    keys in another order), which leaves greedy tokens as they are but not the log probabilities
+    reported; a grammar's masks follow a chain's drafts (a tree's paths would need one matcher
+    state per node)."""
+    return 1 if req.logprobs is not None or req.structure is not None else req.tree_nodes
 
 
 def _attach(drafter, target) -> None:

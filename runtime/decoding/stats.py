@@ -30,6 +30,7 @@ class Round:
     tree: bool = False  # a tree round: its size and path go to the tree histograms
     path: tuple[int, ...] = ()  # the accepted nodes' indices (rounds a TreeSize chose)
     scores: np.ndarray | None = None  # [proposed] the verified nodes' drafter scores (DraftTree.probs)
+    forced: int = 0  # of the drafts, the first ones a grammar forced (each the only token it allowed)
 
 
 FINISH_REASONS = ("eos", "length", "stop", "cancelled")
@@ -73,6 +74,7 @@ class Stats:
     last_accepted: int = 0
     tree_sizes: list[int] = field(default_factory=list)  # nodes verified each tree round (0: a plain step)
     path_lengths: list[int] = field(default_factory=list)  # the accepted path's length each tree round
+    forced: int = 0  # drafts a grammar forced (counted in drafted and accepted too)
 
     @property
     def acceptance_rate(self) -> float:
@@ -105,6 +107,7 @@ class Stats:
         self.last_proposed, self.last_accepted = proposed, accepted
         self.drafted += proposed
         self.accepted += accepted
+        self.forced += round.forced
         if round.tree:
             self.tree_sizes.append(proposed)
             self.path_lengths.append(accepted)
@@ -145,6 +148,7 @@ class Stats:
             "finish_reason": self.finish_reason,
             "draft_len_history": self.draft_len_history,
             "draft_len_histogram": _histogram(self.draft_len_history),
+            "forced": self.forced,
             "tree_rounds": len(self.tree_sizes),
             "tree_size_histogram": _histogram(self.tree_sizes),
             "accepted_path_histogram": _histogram(self.path_lengths),

@@ -99,6 +99,10 @@ class Tokenizer:
         self._text_first = self._text_rest = None  # copies that read special-token strings as text
         self._lock = threading.Lock()
 
+    def size(self) -> int:
+        """Its token ids, special tokens included (0 .. size-1)."""
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
     def longest_token_chars(self) -> int:
         """Characters in the vocabulary's longest token string (special tokens included)."""
         return max(map(len, self._tok.get_vocab(with_added_tokens=True)), default=0)

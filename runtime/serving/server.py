@@ -50,7 +50,7 @@ from starlette.routing import Route
 from specdeploy.core.errors import InputError, SpecdeployError
 from specdeploy.core.manifest import Bundle, load_bundle
 from specdeploy.runtime.decoding.request import (
-    NUMBER, SETTINGS, Limits, Message, Request, RequestError, validate, wire_labels, wire_names,
+    NUMBER, SETTINGS, Limits, Message, Request, RequestError, validate, wire_names,
 )
 from specdeploy.runtime.decoding.batch import BatchSession
 from specdeploy.runtime.serving.pool import Cancelled, Overloaded, QueueTimeout, SessionPool, default_batch
@@ -78,8 +78,10 @@ class TooLarge(InputError):
 
 # -- request validation -------------------------------------------------------------------
 
-NAMES = wire_names("prompt")  # a request field -> its name in a body (the `param` of a 400)
-LABELS = wire_labels("prompt")
+# a request field -> its name in a body (the `param` of a 400); the fields mapped by hand (below)
+# by their usual names
+NAMES = {**wire_names("prompt"), "logprobs": "logprobs", "structure": "response_format"}
+LABELS = {name: f"'{wire}'" for name, wire in NAMES.items()}
 
 
 def _field(body: dict, name: str, kinds: tuple, default: Any, what: str) -> Any:
@@ -176,7 +178,33 @@ def _openai_fields(body: dict, chat: bool, given: dict[str, Any]) -> dict[str, s
             given["logprobs"] = 0 if top is None else top
     elif body.get("logprobs") is not None:
         given["logprobs"] = body["logprobs"]
+    formats = [name for name in ("response_format", "structured_outputs") if body.get(name) is not None]
+    if len(formats) > 1:
+        raise BadRequest("give 'response_format' or 'structured_outputs', not both", "structured_outputs")
+    if formats == ["response_format"]:
+        structure = _response_format(body["response_format"])
+        if structure is not None:
+            given["structure"] = structure
+    elif formats:
+        given["structure"] = body["structured_outputs"]  # vLLM's form, the request schema's own
+        names["structure"] = "structured_outputs"
     return names
+
+
+def _response_format(value: Any) -> dict | None:
+    """OpenAI's `response_format` as the request schema's structure (None: plain text)."""
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"json_object": True}
+    if kind == "json_schema":
+        spec = value.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+            raise BadRequest("'response_format.json_schema.schema' must be a JSON schema object", "response_format")
+        return {"json": spec["schema"]}
+    raise BadRequest("'response_format' must be {\"type\": \"text\"}, {\"type\": \"json_object\"} or "
+                     "{\"type\": \"json_schema\", \"json_schema\": {\"schema\": ...}}", "response_format")
 
 
 def _parse_json(raw: bytes) -> Any:
