@@ -1,7 +1,8 @@
 """What assistants send on every request, through `serve` over loopback HTTP and the real
-`openai` client: logprobs (chat's and completions' forms), the penalties and min-p,
-`max_completion_tokens`, `stream_options.include_usage`; each answer equal to what a Session
-alone gives for the same request, and each bad field a 400 that names it."""
+`openai` client: structured output (`response_format`, vLLM's `structured_outputs`), logprobs
+(chat's and completions' forms), the penalties and min-p, `max_completion_tokens`,
+`stream_options.include_usage`; each answer equal to what a Session alone gives for the same
+request, and each bad field a 400 that names it."""
 import json
 
 import httpx
@@ -37,6 +38,37 @@ def client(server):
 def _alone(session, **kw):
     pieces = list(session.stream(**kw))
     return [t for p in pieces for t in p.token_ids], [e for p in pieces for e in (p.logprobs or [])]
+
+
+SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "string", "maxLength": 5}},
+          "required": ["a", "b"], "additionalProperties": False}
+
+
+def test_response_format_json_schema_and_object_as_a_session_constrains_them(client, session):
+    jsonschema = pytest.importorskip("jsonschema")
+    messages = [{"role": "user", "content": PROMPTS[4]}]
+    ids = session.encode_messages(messages)
+    for fmt, structure in (
+        ({"type": "json_schema", "json_schema": {"name": "ab", "schema": SCHEMA, "strict": True}}, {"json": SCHEMA}),
+        ({"type": "json_object"}, {"json_object": True}),
+    ):
+        out = client.chat.completions.create(model="tiny", messages=messages, max_tokens=60, temperature=0,
+                                             response_format=fmt)
+        want = session.generate(prompt_ids=ids, max_new_tokens=60, structure=structure)
+        assert out.choices[0].message.content == want.text
+        if out.choices[0].finish_reason == "stop":  # finished within the tokens: it parses, and validates
+            jsonschema.validate(json.loads(want.text), SCHEMA if "json" in structure else {"type": "object"})
+        streamed = client.chat.completions.create(model="tiny", messages=messages, max_tokens=60, temperature=0,
+                                                  response_format=fmt, stream=True)
+        assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == want.text
+
+
+def test_structured_outputs_regex_choice_and_grammar(client, session):
+    for structure in ({"regex": "[a-c]{3}-[0-9]{2}"}, {"choice": ["red", "green", "blue"]},
+                      {"grammar": 'start: "x" ("," "x")*'}):
+        out = client.completions.create(model="tiny", prompt=PROMPTS[3], max_tokens=12, temperature=0,
+                                        extra_body={"structured_outputs": structure})
+        assert out.choices[0].text == session.generate(PROMPTS[3], max_new_tokens=12, structure=structure).text
 
 
 def test_chat_logprobs_equal_a_sessions(client, session):
@@ -106,6 +138,15 @@ def test_stream_options_include_usage_sends_the_usage_last(client):
     ("chat", {"max_tokens": 4, "max_completion_tokens": 5}, "max_completion_tokens", "not two different values"),
     ("chat", {"stream_options": {"include_usage": True}}, "stream_options", "only allowed with 'stream': true"),
     ("chat", {"stream": True, "stream_options": {"include_usage": 1}}, "include_usage", "must be a boolean"),
+    ("chat", {"response_format": {"type": "json_schema", "json_schema": {"type": "foo"}}}, "response_format",
+     "'response_format.json_schema.schema' must be a JSON schema object"),
+    ("chat", {"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "foo"}}}},
+     "response_format", "does not compile"),
+    ("chat", {"response_format": {"type": "xml"}}, "response_format", "'response_format' must be"),
+    ("completions", {"structured_outputs": {"regex": "[0-9"}}, "structured_outputs", "does not compile"),
+    ("completions", {"structured_outputs": {"regex": 5}}, "structured_outputs", "'regex' must be non-empty text"),
+    ("completions", {"structured_outputs": {"choice": ["a"]}, "response_format": {"type": "json_object"}},
+     "structured_outputs", "not both"),
 ])
 def test_bad_fields_get_a_400_that_names_them(server, path, body, param, fragment):
     base = {"messages": [{"role": "user", "content": "hi"}]} if path == "chat" else {"prompt": "hi"}

@@ -118,3 +118,45 @@ def test_int4_batched_requests_equal_each_alone(smollm2_int4):
     finally:
         batched.close()
     assert got == want
+
+
+EXTRACT = [
+    "Maria Lopez is 34 and lives in Valencia, where she teaches music.",
+    "Our new colleague, Tom Okafor (29), moved here from Lagos last spring.",
+    "Ms. Chen, aged 61, has run the bakery on Elm Street in Boston since 1990.",
+]
+PERSON = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"},
+                                           "city": {"type": "string"}},
+          "required": ["name", "age", "city"], "additionalProperties": False}
+
+
+def test_int4_json_schema_output_is_exact_under_speculation_and_validates(smollm2_int4):
+    """Extraction as an assistant asks for it: the real model under a JSON schema, plain and
+    speculative token for token the same (a Session and a batch), each answer valid JSON that
+    validates against the schema."""
+    import json
+
+    import jsonschema
+
+    from specdeploy.runtime.decoding.batch import BatchSession
+
+    out, _ = smollm2_int4
+    session = Session(out)
+    structure = {"json": PERSON}
+    answers = []
+    for text in EXTRACT:
+        ids = session.encode_messages([{"role": "user", "content": f"Extract name, age and city as JSON: {text}"}])
+        plain = session.generate(prompt_ids=ids, max_new_tokens=60, speculate=False, structure=structure)
+        assert plain.stats.finish_reason == "eos", plain.text
+        jsonschema.validate(json.loads(plain.text), PERSON)
+        for k in (1, 3, 4, "auto"):
+            assert session.generate(prompt_ids=ids, max_new_tokens=60, draft_len=k,
+                                    structure=structure).token_ids == plain.token_ids, (text, k)
+        answers.append((ids, plain.token_ids))
+    batch = BatchSession(out, batch=3)
+    try:
+        gens = [batch.stream(prompt_ids=ids, max_new_tokens=60, structure=structure) for ids, _ in answers]
+        got = [[t for piece in gen for t in piece.token_ids] for gen in gens]
+    finally:
+        batch.close()
+    assert got == [want for _, want in answers]

@@ -81,7 +81,6 @@ class TooLarge(InputError):
 # a request field -> its name in a body (the `param` of a 400); the fields mapped by hand (below)
 # by their usual names
 NAMES = {**wire_names("prompt"), "logprobs": "logprobs", "structure": "response_format"}
-LABELS = {name: f"'{wire}'" for name, wire in NAMES.items()}
 
 
 def _field(body: dict, name: str, kinds: tuple, default: Any, what: str) -> Any:
@@ -109,6 +108,7 @@ class Parsed(NamedTuple):
     request: Request
     stream: bool  # the answer as server-sent events
     include_usage: bool = False  # `stream_options.include_usage`: a last chunk with the usage alone
+    names: dict[str, str] = NAMES  # a request field -> the body's name for it (the `param` of a 400)
 
 
 def parse_request(body: Any, chat: bool, limits: Limits) -> Parsed:
@@ -153,7 +153,7 @@ def parse_request(body: Any, chat: bool, limits: Limits) -> Parsed:
     if options is not None and not isinstance(options, dict):
         raise BadRequest(f"'stream_options' must be an object, got {json.dumps(options)[:40]}", "stream_options")
     usage = _field(options or {}, "include_usage", (bool,), False, "a boolean") if options is not None else False
-    return Parsed(req, stream, usage)
+    return Parsed(req, stream, usage, names)
 
 
 def _openai_fields(body: dict, chat: bool, given: dict[str, Any]) -> dict[str, str]:
@@ -385,7 +385,7 @@ def create_app(
                 parsed = await anyio.to_thread.run_sync(_parse, raw, chat, limits, limiter=acquire_parse_limiter())
             req = parsed.request
             pool.check_capacity()  # before the template and the tokenizer
-            req = await run_in_threadpool(_encode, pool, req)
+            req = await run_in_threadpool(_encode, pool, req, parsed.names)
         except TooLarge as e:
             outcome("413")
             return _error(413, str(e), "invalid_request_error", None, {"connection": "close"})
@@ -454,13 +454,13 @@ def create_app(
     )
 
 
-def _encode(pool: SessionPool, req: Request) -> Request:
-    """In a worker thread: the chat template and the tokenizer, then the length checks that
-    need the token count, each naming its field."""
+def _encode(pool: SessionPool, req: Request, names: dict[str, str] = NAMES) -> Request:
+    """In a worker thread: the chat template and the tokenizer, then the checks that need the
+    token count or the tokenizer (a structure's grammar), each naming its field as `names` do."""
     try:
-        return pool.session.prepare(req, LABELS)
+        return pool.session.prepare(req, {name: f"'{wire}'" for name, wire in names.items()})
     except RequestError as e:
-        raise BadRequest(str(e), NAMES[e.field]) from None
+        raise BadRequest(str(e), names[e.field]) from None
 
 
 class _Run:
