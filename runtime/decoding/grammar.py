@@ -152,6 +152,6 @@ class Constraint:
 def mask_rows(logits: np.ndarray, masks: list[np.ndarray]) -> np.ndarray:
     """logits [R, V] with each of the first len(masks) rows' forbidden tokens at -inf (a copy)."""
     out = np.array(logits, dtype=np.float32)
-    for row, allowed in zip(out, masks):
-        row[~allowed] = -np.inf
+    for i, allowed in enumerate(masks):
+        out[i] = np.where(allowed, out[i], np.float32(-np.inf))  # 20-50 us a row of 49k (a boolean store: 130)
     return out
