@@ -9,7 +9,8 @@ plain decoding unconstrained (`free`), plain decoding under the schema (`plain`)
 under the schema with draft length auto (`spec`), and the same with drafting blind to the
 grammar (`blind`: no forced tokens proposed, no draft cut where the grammar leaves it). Every
 constrained speculative output is checked token for token against constrained plain, and
-every constrained output parses and validates against the schema. Decode-only tok/s runs
+every constrained output that ends (EOS within the token limit) parses and validates against
+the schema. Decode-only tok/s runs
 from the end of the first round to the last token; a prompt's figure is the median of its
 R runs; the report gives the median over prompts of each mode and of each prompt's ratios,
 tokens per target pass, the tokens the grammar forced, and the mask's own time per token.
@@ -101,7 +102,9 @@ def main() -> None:
             plain = session.generate(prompt_ids=ids, max_new_tokens=args.max_new_tokens, speculate=False,
                                      structure=structure)
             masks.append(((clock.seconds - before[0]) / max(1, clock.count - before[1]), plain.stats.seconds))
-            jsonschema.validate(json.loads(plain.text), SCHEMA)
+            finished = plain.stats.finish_reason == "eos"  # else cut at the token limit, incomplete
+            if finished:
+                jsonschema.validate(json.loads(plain.text), SCHEMA)
             spec = session.generate(prompt_ids=ids, max_new_tokens=args.max_new_tokens, structure=structure)
             with Blind():
                 blind = session.generate(prompt_ids=ids, max_new_tokens=args.max_new_tokens, structure=structure)
@@ -109,7 +112,7 @@ def main() -> None:
             for mode, out in zip(modes, (free, plain, spec, blind)):
                 runs[mode].append(out.stats)
         med = {m: statistics.median(s.decode_tokens_per_second for s in runs[m]) for m in modes}
-        row = {"prompt": text, "tokens": len(plain.token_ids), "free_tokens": len(free.token_ids),
+        row = {"prompt": text, "tokens": len(plain.token_ids), "free_tokens": len(free.token_ids), "finished": finished,
                **{f"{m}_tok_s": round(med[m], 2) for m in modes},
                "plain_vs_free": round(med["plain"] / med["free"], 3),
                "spec_vs_plain": round(med["spec"] / med["plain"], 3),
@@ -123,6 +126,8 @@ def main() -> None:
     keys = ("free_tok_s", "plain_tok_s", "spec_tok_s", "blind_tok_s", "plain_vs_free", "spec_vs_plain",
             "blind_vs_plain", "spec_tokens_per_pass", "blind_tokens_per_pass", "spec_forced", "mask_us", "tokens")
     summary = {k: statistics.median(r[k] for r in rows) for k in keys}
+    summary["finished"] = sum(r["finished"] for r in rows)
+    summary["prompts"] = len(rows)
     print("medians over prompts:", json.dumps(summary))
     if args.json:
         Path(args.json).write_text(json.dumps({"summary": summary, "prompts": rows, "schema": SCHEMA,
