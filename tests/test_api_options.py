@@ -146,7 +146,7 @@ def test_stream_options_include_usage_sends_the_usage_last(client):
     ("completions", {"structured_outputs": {"regex": "[0-9"}}, "structured_outputs", "does not compile"),
     ("completions", {"structured_outputs": {"regex": 5}}, "structured_outputs", "'regex' must be non-empty text"),
     ("completions", {"structured_outputs": {"choice": ["a"]}, "response_format": {"type": "json_object"}},
-     "structured_outputs", "not both"),
+     "structured_outputs", "give one of 'response_format', 'structured_outputs'"),
 ])
 def test_bad_fields_get_a_400_that_names_them(server, path, body, param, fragment):
     base = {"messages": [{"role": "user", "content": "hi"}]} if path == "chat" else {"prompt": "hi"}

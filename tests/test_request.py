@@ -263,7 +263,7 @@ def test_server_and_session_agree_past_what_tritons_types_carry(case):
 
 def test_a_chat_body_and_a_chat_turn_are_one_request():
     body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "tree_nodes": 2, "private": True}
-    req, stream, _ = server.parse_request(body, True, LIMITS)
+    req, stream = server.parse_request(body, True, LIMITS)[:2]
     assert (req.messages, req.max_new_tokens, req.tree_nodes, req.private, stream) == (
         (Message("user", "hi"),), 4, 2, True, False)
     with pytest.raises(server.BadRequest) as e:

@@ -263,7 +263,12 @@ def test_a_batched_instance_answers_concurrent_streams_each_as_alone(served_batc
     prompts = ["The quick brown fox", "def add(a, b):", "Zürich and Köln", "who, what, where", "Speculative decoding"]
     session = Session(bundle, prompt_cache=False)
     options = [dict(temperature=0.9, seed=i, draft_len=2) if i % 2 else dict(temperature=0.0) for i in range(len(prompts))]
+    # structured output and penalties reach the batch's lanes as a Session's arguments
+    options[2] |= dict(structure=json.dumps({"regex": "[a-z]{2,8}( [a-z]{2,8}){1,6}"}), presence_penalty=0.5)
+    options[3] |= dict(structure=json.dumps({"json": {"type": "object", "properties": {"a": {"type": "integer"}}}}),
+                       repetition_penalty=1.3, min_p=0.05)
     expected = [session.generate(p, max_new_tokens=40 + 4 * i, **options[i]).token_ids for i, p in enumerate(prompts)]
+    assert expected[2] != session.generate(prompts[2], max_new_tokens=48, temperature=0.0).token_ids
     answers: list[Answer | None] = [None] * len(prompts)
 
     def client(i):

@@ -33,7 +33,9 @@ import numpy as np
 PY = f"{sys.version_info[0]}.{sys.version_info[1]}"
 # the datatype of each input config.pbtxt declares, and numpy's for it
 DTYPES = {"text_input": "BYTES", "stop": "BYTES", "chat": "BOOL", "stream": "BOOL", "max_tokens": "INT32",
-          "top_k": "INT32", "draft_len": "INT32", "temperature": "FP64", "top_p": "FP64", "seed": "UINT64"}
+          "top_k": "INT32", "draft_len": "INT32", "temperature": "FP64", "top_p": "FP64", "seed": "UINT64",
+          "structure": "BYTES", "min_p": "FP64", "presence_penalty": "FP64", "frequency_penalty": "FP64",
+          "repetition_penalty": "FP64"}
 NUMPY = {"BYTES": np.object_, "BOOL": np.bool_, "INT32": np.int32, "FP64": np.float64, "UINT64": np.uint64}
 
 

@@ -71,6 +71,14 @@ def structure_of(value) -> Structure:
     [strings]}; or a Structure. Raises ValueError saying what is wrong."""
     if isinstance(value, Structure):
         return value
+    if isinstance(value, str):  # the object as JSON text (a Triton string input)
+        try:
+            value = json.loads(value)
+        except ValueError:
+            raise ValueError("must be an object (or its JSON text) with one of " + ", ".join(STRUCTURES)) from None
+        if isinstance(value, str):
+            raise ValueError("must be an object (or its JSON text) with one of " + ", ".join(STRUCTURES))
+        return structure_of(value)
     if not isinstance(value, dict) or len(value) != 1 or next(iter(value)) not in STRUCTURES:
         raise ValueError(f"must be an object with one of {', '.join(STRUCTURES)}")
     (key, given), = value.items()
@@ -159,7 +167,7 @@ STRINGS = Kind("a string or an array of strings", lambda v: isinstance(v, (str, 
                shape=lambda v: (v,) if isinstance(v, str) else tuple(v))
 
 STRUCTURE = Kind("an object with one of json, json_object, regex, grammar, choice",
-                 lambda v: isinstance(v, (dict, Structure)), keep=structure_of)
+                 lambda v: isinstance(v, (dict, str, Structure)), keep=structure_of)
 
 Rule = Callable[[Any, "Limits | None"], "str | None"]  # (the shaped value, limits) -> what is wrong, or None
 
@@ -314,8 +322,10 @@ class Request:
         "the drafter draws on this request's text alone and keeps none of it (default false)")
     speculate: bool = setting(True, BOOLEAN, "speculate", None)  # False: the target alone
     structure: Structure | None = setting(
-        None, STRUCTURE, "structure", None, doc="what the output must match (JSON schema, regex, grammar, choice)",
-        rule=_structure, optional=True)  # the server maps OpenAI's response_format and vLLM's structured_outputs to it
+        None, STRUCTURE, "structure", "structure", "TYPE_STRING",
+        'what the output must match, as JSON: {"json": schema}, {"json_object": true}, {"regex": ...}, '
+        '{"grammar": Lark}, {"choice": [...]}', _structure, optional=True)  # the server also maps OpenAI's
+    # response_format and vLLM's structured_outputs to it
     grammar: str | None = None  # the structure compiled for the bundle's tokenizer (by `Prompts.prepare`)
 
     @property

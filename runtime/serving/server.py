@@ -178,16 +178,16 @@ def _openai_fields(body: dict, chat: bool, given: dict[str, Any]) -> dict[str, s
             given["logprobs"] = 0 if top is None else top
     elif body.get("logprobs") is not None:
         given["logprobs"] = body["logprobs"]
-    formats = [name for name in ("response_format", "structured_outputs") if body.get(name) is not None]
+    formats = [name for name in ("response_format", "structured_outputs", "structure") if body.get(name) is not None]
     if len(formats) > 1:
-        raise BadRequest("give 'response_format' or 'structured_outputs', not both", "structured_outputs")
+        raise BadRequest(f"give one of {', '.join(repr(f) for f in formats)}", formats[-1])
     if formats == ["response_format"]:
         structure = _response_format(body["response_format"])
         if structure is not None:
             given["structure"] = structure
     elif formats:
-        given["structure"] = body["structured_outputs"]  # vLLM's form, the request schema's own
-        names["structure"] = "structured_outputs"
+        given["structure"] = body[formats[0]]  # vLLM's form and the request schema's own name for it
+        names["structure"] = formats[0]
     return names
 
 

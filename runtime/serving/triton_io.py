@@ -223,6 +223,8 @@ def parse_request(get: Callable[[str], np.ndarray | None], limits: Limits) -> Tr
         if s.wire is None:
             continue
         value = _strings(get, s.wire) if s.kind is STRINGS else _scalar(get, s.wire)
+        if value is not None and s.triton == "TYPE_STRING" and s.kind is not STRINGS:
+            value = _text(value, s.wire)  # a string scalar (a structure's JSON text)
         if value is not None:  # absent: the default
             given[name] = value
     return TritonRequest(validate(given, limits, LABELS), stream=_flag(get, "stream"))
