@@ -16,6 +16,7 @@ to the in-process bounds, with a warning.
 """
 from __future__ import annotations
 
+import json
 import logging
 import multiprocessing
 import os
@@ -177,6 +178,16 @@ def _sandbox():
         return _f(value, *args, **kwargs)
 
     env.filters["format"] = format_
+
+    def tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        # as transformers' apply_chat_template defines it (jinja2's own escapes <, > and &)
+        if isinstance(indent, int) and indent > 64:
+            raise SecurityError(f"tojson indent {indent} is past the bound (64)")
+        text = json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+        _check_len(len(text))
+        return text
+
+    env.filters["tojson"] = tojson
     return env
 
 

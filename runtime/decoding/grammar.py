@@ -42,18 +42,19 @@ class Grammars:
                                          eos_token=sorted(eos_token_ids) or None)
         self._compiled: dict[Structure, str] = {}  # the last requests' (a service asks for a few, often)
 
-    def compile(self, structure: Structure, field: str = "structure") -> str:
-        """The llguidance grammar of `structure`, or a RequestError naming `field` that says what
-        the engine refused (a schema it cannot compile, a regex or a grammar with an error)."""
+    def compile(self, structure: Structure, label: str = "structure", field: str = "structure") -> str:
+        """The llguidance grammar of `structure`, or a RequestError for the request's `field` (its
+        message led by `label`) that says what the engine refused (a schema it cannot compile, a
+        regex or a grammar with an error)."""
         grammar = self._compiled.get(structure)
         if grammar is None:
-            grammar = self._compile(structure, field)
+            grammar = self._compile(structure, label, field)
             if len(self._compiled) >= COMPILED:
                 self._compiled.pop(next(iter(self._compiled)))
             self._compiled[structure] = grammar
         return grammar
 
-    def _compile(self, structure: Structure, field: str) -> str:
+    def _compile(self, structure: Structure, label: str, field: str) -> str:
         llg = _llguidance()
         kind, source = structure
         try:
@@ -69,11 +70,10 @@ class Grammars:
                 grammar = llg.LLMatcher.grammar_from_lark(
                     "start: " + " | ".join(json.dumps(c) for c in json.loads(source)))
         except ValueError as e:
-            raise RequestError(f"{field}: {_first_line(e)}", "structure") from None
+            raise RequestError(f"{label}: {_first_line(e)}", field) from None
         problem = llg.LLMatcher.validate_grammar(grammar, self.tokenizer)
         if problem:
-            raise RequestError(f"{field}: the {kind.replace('_', ' ')} does not compile: {_first_line(problem)}",
-                               "structure")
+            raise RequestError(f"{label}: the {kind.replace('_', ' ')} does not compile: {_first_line(problem)}", field)
         return grammar
 
     def constraint(self, grammar: str) -> "Constraint":

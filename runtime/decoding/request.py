@@ -32,6 +32,7 @@ import numpy as np
 
 from specdeploy.core.errors import InputError
 from specdeploy.runtime.decoding.tokenizer import check_text
+from specdeploy.runtime.decoding.tools import check_tool_choice, check_tools
 
 CHARS_PER_TOKEN = 64  # at least: a prompt of max_seq tokens has at most max_seq times this many characters
 DEFAULT_MAX_TOKENS = {False: 16, True: 256}  # plain, chat: when a request gives no max_tokens (capped to fit)
@@ -105,10 +106,57 @@ def structure_of(value) -> Structure:
 
 
 class Message(NamedTuple):
-    """One turn of a chat."""
+    """One turn of a chat: an assistant's may carry the tool calls it made (id, name, arguments
+    as JSON text), a tool's the id of the call it answers."""
 
     role: str
     content: str
+    tool_calls: tuple[tuple[str, str, str], ...] = ()
+    tool_call_id: str | None = None
+
+    def for_template(self) -> dict:
+        """The turn as chat templates read it (transformers' form: arguments as an object)."""
+        out = {"role": self.role, "content": self.content}
+        if self.tool_calls:
+            out["tool_calls"] = [{"id": i, "type": "function", "function": {"name": n, "arguments": _arguments(a)}}
+                                 for i, n, a in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        return out
+
+
+def message_of(m) -> Message:
+    """A chat turn in OpenAI's form: {role, content} (text; an assistant's may be null when it
+    carries `tool_calls`: [{id, type: function, function: {name, arguments: JSON text}}]), a tool's
+    with `tool_call_id`. Raises ValueError saying what is wrong."""
+    if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+        raise ValueError("each turn must be an object with a string 'role'")
+    calls = m.get("tool_calls") or ()
+    content = m.get("content")
+    if content is None and calls:
+        content = ""
+    if not isinstance(content, str):
+        raise ValueError("each turn's 'content' must be text (an assistant's may be null with 'tool_calls')")
+    if not isinstance(calls, (list, tuple)):
+        raise ValueError("'tool_calls' must be an array")
+    out = []
+    for c in calls:
+        fn = c.get("function") if isinstance(c, dict) else None
+        if not (isinstance(fn, dict) and isinstance(fn.get("name"), str)
+                and isinstance(fn.get("arguments", "{}"), str) and isinstance(c.get("id", ""), str)):
+            raise ValueError("each tool call must be {id, type: function, function: {name, arguments: JSON text}}")
+        out.append((c.get("id", ""), fn["name"], fn.get("arguments", "{}")))
+    call_id = m.get("tool_call_id")
+    if call_id is not None and not isinstance(call_id, str):
+        raise ValueError("'tool_call_id' must be text")
+    return Message(m["role"], content, tuple(out), call_id)
+
+
+def _arguments(text: str):
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
 
 
 @dataclass(frozen=True)
@@ -168,6 +216,21 @@ STRINGS = Kind("a string or an array of strings", lambda v: isinstance(v, (str, 
 
 STRUCTURE = Kind("an object with one of json, json_object, regex, grammar, choice",
                  lambda v: isinstance(v, (dict, str, Structure)), keep=structure_of)
+
+def _checked(check):
+    """A rule from a check that raises ValueError."""
+    def rule(value, limits):
+        try:
+            check(value)
+        except ValueError as e:
+            return str(e)
+        return None
+    return rule
+
+
+TOOLS = Kind("an array of tools", lambda v: isinstance(v, (list, tuple)), keep=check_tools)
+TOOL_CHOICE = Kind('"none", "auto", "required" or a function', lambda v: isinstance(v, (str, dict)),
+                   keep=check_tool_choice)
 
 Rule = Callable[[Any, "Limits | None"], "str | None"]  # (the shaped value, limits) -> what is wrong, or None
 
@@ -245,14 +308,6 @@ def _draft_len(value, limits):
     return None if _is_auto(value) else _outside(value, 0, limits.max_draft, note=" (the bundle's max draft)")
 
 
-def _structure(value, limits):
-    try:
-        structure_of(value)
-    except ValueError as e:
-        return str(e)
-    return None
-
-
 def _tree_nodes(value, limits):
     return None if _is_auto(value) else _outside(value, 1, limits.max_tree_nodes, note=" (1: chains)")
 
@@ -324,9 +379,14 @@ class Request:
     structure: Structure | None = setting(
         None, STRUCTURE, "structure", "structure", "TYPE_STRING",
         'what the output must match, as JSON: {"json": schema}, {"json_object": true}, {"regex": ...}, '
-        '{"grammar": Lark}, {"choice": [...]}', _structure, optional=True)  # the server also maps OpenAI's
+        '{"grammar": Lark}, {"choice": [...]}', _checked(structure_of), optional=True)  # the server also maps OpenAI's
     # response_format and vLLM's structured_outputs to it
+    tools: tuple[str, ...] | None = setting(
+        None, TOOLS, "tools", None, doc="functions the model may call (OpenAI's form)", rule=_checked(check_tools),
+        optional=True)  # canonical JSON texts, one a tool
+    tool_choice: str = setting("auto", TOOL_CHOICE, "tool choice", None, rule=_checked(check_tool_choice))
     grammar: str | None = None  # the structure compiled for the bundle's tokenizer (by `Prompts.prepare`)
+    prepared: bool = False  # by `Prompts.prepare`: its prompt as token ids (tools rendered), its grammar compiled
 
     @property
     def source(self) -> str:
@@ -437,11 +497,11 @@ def _check_prompt(name: str, value, limits: Limits, label: str):
         raise RequestError(f"{label} holds {len(value)} turns; at most {max_seq - 1} fit in the bundle's max sequence "
                            f"of {max_seq} tokens", name)
     for m in value:
-        for text in m:
+        for text in (m.role, m.content, *(t for call in m.tool_calls for t in call)):
             problem = _not_unicode(text) if isinstance(text, str) else "must hold text"
             if problem:
                 raise RequestError(f"{label} {problem}", name)
-    chars = sum(len(m.role) + len(m.content) for m in value)
+    chars = sum(len(m.role) + len(m.content) + sum(map(len, (t for c in m.tool_calls for t in c))) for m in value)
     if chars > max_chars:
         raise RequestError(f"{label} hold {chars} characters; at most {max_chars} can fit in the bundle's max "
                            f"sequence of {max_seq} tokens", name)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import functools
+import json
 import threading
 import weakref
 from dataclasses import dataclass, replace
@@ -17,11 +18,12 @@ from specdeploy.runtime.backends import BackendChoice, Device, make_engine
 from specdeploy.runtime.backends.ort import settle_thread_pool, thread_pool_choice
 from specdeploy.runtime.decoding.accept import Judge, TokenLogprob
 from specdeploy.runtime.decoding.grammar import Grammars
+from specdeploy.runtime.decoding.tools import CLOSE, HERMES, OPEN, ToolCall, call_grammar, parse_calls, tool_format
 from specdeploy.runtime.decoding.drafters import drafter_class, make_drafter
 from specdeploy.runtime.decoding.loop import DecodeSettings, PromptCache, decode
 from specdeploy.runtime.decoding.policy import DraftLength, TreeSize
 from specdeploy.runtime.decoding.request import (
-    MAX_TREE_NODES, WORDS, Limits, Request, RequestError, fit, validate,
+    Message, MAX_TREE_NODES, message_of, WORDS, Limits, Request, RequestError, Structure, fit, validate,
 )
 from specdeploy.runtime.decoding.stats import Stats, finish_reason
 from specdeploy.runtime.decoding.sampling import SamplingParams
@@ -200,14 +202,16 @@ class Prompts:
         check_text(prompt, "the prompt")
         return self.tokenizer.encode_chat(prompt) if chat else self.tokenizer.encode(prompt)
 
-    def encode_messages(self, messages: list[dict[str, str]], allow_special_in_content: bool = False) -> list[int]:
-        """A whole chat (system / user / assistant turns) through the chat template. Special-token
-        text inside a message stays text (a user cannot forge a turn) unless allowed."""
+    def encode_messages(self, messages: list[dict[str, str]], allow_special_in_content: bool = False,
+                        tools: list[dict] | None = None) -> list[int]:
+        """A whole chat (system / user / assistant / tool turns) through the chat template, with
+        the `tools` it may call. Special-token text inside a message stays text (a user cannot
+        forge a turn) unless allowed."""
         for i, m in enumerate(messages):
             check_text(m["role"], f"messages[{i}].role")
             check_text(m["content"], f"messages[{i}].content")
         return self.tokenizer.encode_messages(messages, add_generation_prompt=True,
-                                              allow_special_in_content=allow_special_in_content)
+                                              allow_special_in_content=allow_special_in_content, tools=tools)
 
     # -- requests ------------------------------------------------------------------------
     @functools.cached_property
@@ -219,16 +223,61 @@ class Prompts:
         """A validated request with its prompt as token ids (through the chat template when it
         asks) and its new tokens resolved, checked against the max sequence (request.fit);
         errors name the fields as `labels` does."""
+        if req.prepared:
+            return req
+        tools = self._tools(req, labels)
         if req.prompt_ids is not None:
             ids = req.prompt_ids
         elif req.messages is not None:
-            ids = self.encode_messages([m._asdict() for m in req.messages])
+            ids = self.encode_messages([m.for_template() for m in req.messages], tools=tools)
+        elif tools is not None:
+            ids = self.encode_messages([{"role": "user", "content": req.prompt}], tools=tools)
         else:
             ids = self.encode(req.prompt, req.chat)
         req = fit(req, ids, self.limits, labels)
-        if req.structure is not None and req.grammar is None:
+        if tools is not None and req.tool_choice != "auto":  # "required" or a name: the grammar makes the call
+            if req.structure is not None:
+                raise RequestError(f"{labels.get('tool_choice', 'tool_choice')} {req.tool_choice!r} writes a tool "
+                                   "call: it cannot be given with a structure", "tool_choice")
+            special = OPEN in self.tokenizer.special_tokens.values()
+            req = replace(req, structure=Structure("grammar", call_grammar(req.tools, req.tool_choice, special)))
+        if req.structure is not None:
             req = replace(req, grammar=self.grammars.compile(req.structure, labels.get("structure", "structure")))
-        return req
+        return replace(req, prepared=True)
+
+    def _tools(self, req: Request, labels: Mapping[str, str]) -> list[dict] | None:
+        """The request's tools as the chat template takes them (None: no tools, or tool choice
+        "none"), after the checks that need the bundle: a template that reads them in the form
+        parsed here, a choice among them, schemas the grammar engine compiles."""
+        if req.tools is None or req.tool_choice == "none":
+            return None
+        label = labels.get("tools", "tools")
+        if req.prompt_ids is not None or (req.prompt is not None and not req.chat):
+            raise RequestError(f"{label} need a chat (messages, or a prompt through the chat template)", "tools")
+        form = tool_format(self.tokenizer.chat_template)
+        if form is None:
+            raise RequestError(f"{label}: this bundle's chat template has no tool format", "tools")
+        if form != HERMES:
+            raise RequestError(f"{label}: this bundle's chat template writes tool calls in a form not read here "
+                               f"(the Hermes form is: {OPEN} JSON {CLOSE})", "tools")
+        tools = [json.loads(t) for t in req.tools]
+        for i, tool in enumerate(tools):
+            text = req.tools[i]
+            if any(special in text for special in self.tokenizer.special_tokens.values()):
+                raise RequestError(f"{label}[{i}] holds special-token text; remove it", "tools")
+            self.grammars.compile(Structure("json_schema", json.dumps(tool["function"]["parameters"])),
+                                  f"{label}[{i}].function.parameters", "tools")
+        if req.tool_choice not in ("auto", "required") and req.tool_choice not in {
+                t["function"]["name"] for t in tools}:
+            raise RequestError(f"{labels.get('tool_choice', 'tool_choice')}: no tool is named {req.tool_choice!r}",
+                               "tool_choice")
+        return tools
+
+    def tool_calls(self, token_ids) -> tuple[str, list[ToolCall]]:
+        """An answer's tool calls, parsed from its text with special tokens kept (the markers may
+        be special tokens): -> (the content outside the calls, the calls)."""
+        eos = set(self.eos_token_ids)
+        return parse_calls(self.tokenizer.decode([t for t in token_ids if t not in eos], skip_special_tokens=False))
 
     @functools.cached_property
     def grammars(self) -> Grammars:
@@ -241,7 +290,8 @@ class Prompts:
                 top_p: float = 1.0, seed: int | None = None, stop: list[str] | tuple[str, ...] = (),
                 tree_nodes: int | str | None = "auto", private: bool = False, min_p: float = 0.0,
                 presence_penalty: float = 0.0, frequency_penalty: float = 0.0, repetition_penalty: float = 1.0,
-                logprobs: int | None = None, structure=None) -> Request:
+                logprobs: int | None = None, structure=None, messages=None, tools=None,
+                tool_choice="auto") -> Request:
         """`stream`'s arguments as a Request, checked by the request schema (what a server refuses,
         this refuses)."""
         req = validate(dict(
@@ -251,6 +301,8 @@ class Prompts:
             tree_nodes=_auto_or_int(tree_nodes, "tree_nodes"), private=private, min_p=min_p,
             presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
             repetition_penalty=repetition_penalty, logprobs=logprobs, structure=structure,
+            messages=None if messages is None else tuple(_message(m) for m in messages), tools=tools,
+            tool_choice=tool_choice,
         ), self.limits)
         return req
 
@@ -492,6 +544,15 @@ def _attach(drafter, target) -> None:
     """Give a drafter that reads the target's state (an EAGLE-3 head) its target engine."""
     if drafter is not None and drafter.reads_target:
         drafter.attach(target)
+
+
+def _message(m) -> Message:
+    if isinstance(m, Message):
+        return m
+    try:
+        return message_of(m)
+    except ValueError as e:
+        raise RequestError(f"messages: {e}", "messages") from None
 
 
 def _as_ids(values) -> tuple[int, ...]:

@@ -126,7 +126,7 @@ class Tokenizer:
     def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
         return self._render(messages, add_generation_prompt)
 
-    def _render(self, messages, add_generation_prompt: bool) -> str:
+    def _render(self, messages, add_generation_prompt: bool, tools: list[dict] | None = None) -> str:
         chars = sum(len(v) for m in messages if isinstance(m, dict) for v in m.values() if isinstance(v, str))
         context = dict(
             messages=messages,
@@ -134,6 +134,9 @@ class Tokenizer:
             bos_token=self.bos_token or "",
             eos_token=self.eos_token or "",
         )
+        if tools:
+            context["tools"] = tools
+            chars += len(json.dumps(tools))
         if not self.chat_template:
             raise InputError("this bundle's tokenizer has no chat template; pass the prompt without --chat")
         return render_template(self.chat_template, context, chars)
@@ -141,7 +144,7 @@ class Tokenizer:
     def _has_special(self, text: str) -> bool:
         return any(s in text for s in self.special_tokens.values())
 
-    def _locate(self, messages, add_generation_prompt: bool, text: str):
+    def _locate(self, messages, add_generation_prompt: bool, text: str, tools=None):
         """Where each message's user-supplied text lies in the rendered `text`, as (start, end)
         spans, or None when the template's output cannot be matched piece by piece.
 
@@ -169,7 +172,7 @@ class Tokenizer:
                     out[k] = v
             return out
 
-        layout = self._render([marked(m) for m in messages], add_generation_prompt)
+        layout = self._render([marked(m) for m in messages], add_generation_prompt, tools)
         parts = re.split(re.escape(mark) + r"(\d+)\ue001", layout)
         if not text.startswith(parts[0]):
             return None
@@ -197,7 +200,8 @@ class Tokenizer:
         return tok.encode(text, add_special_tokens=False).ids
 
     def encode_messages(
-        self, messages: list[dict[str, str]], add_generation_prompt: bool = True, allow_special_in_content: bool = False
+        self, messages: list[dict[str, str]], add_generation_prompt: bool = True, allow_special_in_content: bool = False,
+        tools: list[dict] | None = None,
     ) -> list[int]:
         """A chat through the chat template, as token ids.
 
@@ -207,15 +211,17 @@ class Tokenizer:
         is encoded in the pieces between the template's own special tokens, each with the
         special-token strings in it read as text. `allow_special_in_content=True` parses special
         tokens anywhere (the operator's choice; what encoding the rendered text whole does).
+        `tools`: function definitions the template renders (their text holds no special tokens:
+        the caller checks).
         """
-        text = self._render(messages, add_generation_prompt)
+        text = self._render(messages, add_generation_prompt, tools)
         enc = self._tok.encode(text, add_special_tokens=False)
         if allow_special_in_content:
             return enc.ids
         specials = [(t, s, e) for t, (s, e) in zip(enc.ids, enc.offsets) if t in self.special_tokens]
         if not specials:
             return enc.ids
-        spans = self._locate(messages, add_generation_prompt, text)
+        spans = self._locate(messages, add_generation_prompt, text, tools)
         if spans is None:
             # The template reshapes message text beyond trimming: its spans cannot be found.
             # Safe only when no message holds special-token text.

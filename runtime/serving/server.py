@@ -50,7 +50,7 @@ from starlette.routing import Route
 from specdeploy.core.errors import InputError, SpecdeployError
 from specdeploy.core.manifest import Bundle, load_bundle
 from specdeploy.runtime.decoding.request import (
-    NUMBER, SETTINGS, Limits, Message, Request, RequestError, validate, wire_names,
+    NUMBER, SETTINGS, Limits, Request, RequestError, message_of, validate, wire_names,
 )
 from specdeploy.runtime.decoding.batch import BatchSession
 from specdeploy.runtime.serving.pool import Cancelled, Overloaded, QueueTimeout, SessionPool, default_batch
@@ -80,7 +80,8 @@ class TooLarge(InputError):
 
 # a request field -> its name in a body (the `param` of a 400); the fields mapped by hand (below)
 # by their usual names
-NAMES = {**wire_names("prompt"), "logprobs": "logprobs", "structure": "response_format"}
+NAMES = {**wire_names("prompt"), "logprobs": "logprobs", "structure": "response_format", "tools": "tools",
+         "tool_choice": "tool_choice"}
 
 
 def _field(body: dict, name: str, kinds: tuple, default: Any, what: str) -> Any:
@@ -123,10 +124,13 @@ def parse_request(body: Any, chat: bool, limits: Limits) -> Parsed:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise BadRequest("'messages' must be a non-empty array of {role, content} objects", "messages")
+        turns = []
         for i, m in enumerate(messages):
-            if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
-                raise BadRequest(f"'messages[{i}]' must be an object with string 'role' and 'content'", "messages")
-        given["messages"] = tuple(Message(m["role"], m["content"]) for m in messages)
+            try:
+                turns.append(message_of(m))
+            except ValueError as e:
+                raise BadRequest(f"'messages[{i}]': {e}", "messages") from None
+        given["messages"] = tuple(turns)
     else:
         prompt = body.get("prompt")
         if isinstance(prompt, str):
@@ -178,6 +182,12 @@ def _openai_fields(body: dict, chat: bool, given: dict[str, Any]) -> dict[str, s
             given["logprobs"] = 0 if top is None else top
     elif body.get("logprobs") is not None:
         given["logprobs"] = body["logprobs"]
+    if chat and body.get("tools") is not None:
+        given["tools"] = body["tools"]
+        if body.get("tool_choice") is not None:
+            given["tool_choice"] = body["tool_choice"]
+    elif body.get("tool_choice") not in (None, "none"):
+        raise BadRequest("'tool_choice' needs 'tools'" if chat else "'tools' need the chat endpoint", "tool_choice")
     formats = [name for name in ("response_format", "structured_outputs", "structure") if body.get(name) is not None]
     if len(formats) > 1:
         raise BadRequest(f"give one of {', '.join(repr(f) for f in formats)}", formats[-1])
@@ -475,6 +485,8 @@ class _Run:
         self.started, self.limiter, self.shutdown = started, limiter, shutdown
         self.stream, self.include_usage = parsed.stream, parsed.include_usage
         self.logprobs = LogprobsForm(pool.session.tokenizer, chat) if req.logprobs is not None else None
+        # tools the model may call: its answer is read whole for calls (a stream sends it at the end)
+        self.tools = chat and req.tools is not None and req.tool_choice != "none"
         self.base = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}", "created": int(time.time()),
                      "model": model_name}
         self.cancel = threading.Event()  # set when the client leaves
@@ -577,7 +589,7 @@ class _Run:
 
     async def _generate(self, gen, send) -> None:
         chat, kind = self.chat, "chat.completion.chunk" if self.chat else "text_completion"
-        texts, logprobs, started_stream = [], [], False
+        texts, logprobs, token_ids, started_stream = [], [], [], False
 
         def event(payload) -> dict:
             return {"type": "http.response.body", "body": f"data: {json.dumps(payload)}\n\n".encode(), "more_body": True}
@@ -616,13 +628,14 @@ class _Run:
                             {"index": 0, "delta": {"role": "assistant"}, "finish_reason": None}]}))
                 if piece is None:
                     break
-                if self.stream:
+                token_ids += piece.token_ids
+                if self.stream and not self.tools:
                     if piece.text or (self.logprobs is not None and piece.logprobs):
                         choice = {"index": 0, "delta": {"content": piece.text}} if chat else {"index": 0, "text": piece.text}
                         if self.logprobs is not None:
                             choice["logprobs"] = self.logprobs.part(piece.logprobs)
                         await send(event({**self.base, "object": kind, "choices": [{**choice, "finish_reason": None}]}))
-                else:
+                else:  # the answer whole (or, with tools, read whole before it is streamed)
                     texts.append(piece.text)
                     logprobs += piece.logprobs or []
         except Exception as e:
@@ -646,7 +659,23 @@ class _Run:
         self.metrics.record(stats, time.perf_counter() - self.started)
         finish = FINISH[stats.finish_reason]
         self.outcome("200")
+        text, calls = "".join(texts), []
+        if self.tools:
+            content, calls = self.pool.session.tool_calls(token_ids)
+            text = content if calls else text
+            finish = "tool_calls" if calls else finish
+            calls = [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                      "function": {"name": c.name, "arguments": c.arguments}} for c in calls]
         if self.stream:
+            if self.tools:  # the answer, read whole: its content, then its calls
+                delta = {"content": text} if text else {}
+                if calls:
+                    delta["tool_calls"] = [{"index": i, **c} for i, c in enumerate(calls)]
+                if delta:
+                    choice = {"index": 0, "delta": delta, "finish_reason": None}
+                    if self.logprobs is not None:
+                        choice["logprobs"] = self.logprobs.part(logprobs)
+                    await send(event({**self.base, "object": kind, "choices": [choice]}))
             last = {"index": 0, "delta": {}} if chat else {"index": 0, "text": ""}
             if self.include_usage:  # OpenAI's form: the usage alone in a last chunk with no choices
                 await send(event({**self.base, "object": kind, "choices": [{**last, "finish_reason": finish}]}))
@@ -656,12 +685,14 @@ class _Run:
                                   "usage": _usage(stats)}))
             await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
             return
-        text = "".join(texts)
         choice = (
-            {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish}
+            {"index": 0, "message": {"role": "assistant", "content": text if text or not calls else None},
+             "finish_reason": finish}
             if chat
             else {"index": 0, "text": text, "finish_reason": finish}
         )
+        if calls:
+            choice["message"]["tool_calls"] = calls
         choice["logprobs"] = self.logprobs.part(logprobs) if self.logprobs is not None else None
         await self._json(send, 200, {
             **self.base,

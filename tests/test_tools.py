@@ -1,0 +1,142 @@
+"""Tool calls through `serve` and the real `openai` client: tools rendered through the bundle's
+chat template (a tiny model whose template takes tools in the Hermes form), `tool_choice`
+"required" or a named function enforced by the grammar, the calls parsed back into
+`tool_calls` (whole and streamed), a round trip whose follow-up carries the tool's result,
+each the same under speculation as plain; a template with no tool format refused in one line."""
+import json
+
+import httpx
+import pytest
+
+import tiny
+from specdeploy.runtime import Session
+from specdeploy.runtime.decoding.batch import BatchSession
+from specdeploy.runtime.decoding.tools import call_grammar, check_tools, parse_calls, tool_format
+from loopback import Server
+
+openai = pytest.importorskip("openai")
+
+HERMES_TEMPLATE = (
+    "{%- if tools %}<|im_start|>system\nYou may call these functions:\n<tools>\n"
+    "{%- for tool in tools %}\n{{ tool | tojson }}{%- endfor %}\n</tools>\n"
+    "Call one as <tool_call>\n{\"name\": ..., \"arguments\": ...}\n</tool_call><|im_end|>\n{% endif %}"
+    "{%- for message in messages %}"
+    "{%- if message.role == 'assistant' and message.tool_calls %}<|im_start|>assistant"
+    "{%- for call in message.tool_calls %}\n<tool_call>\n"
+    "{\"name\": \"{{ call.function.name }}\", \"arguments\": {{ call.function.arguments | tojson }}}\n</tool_call>"
+    "{%- endfor %}<|im_end|>\n"
+    "{%- elif message.role == 'tool' %}<|im_start|>user\n<tool_response>\n{{ message.content }}\n</tool_response>"
+    "<|im_end|>\n"
+    "{%- else %}<|im_start|>{{ message.role }}\n{{ message.content }}<|im_end|>\n{%- endif %}"
+    "{%- endfor %}{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
+                                                    "unit": {"enum": ["c", "f"]}},
+                   "required": ["city", "unit"], "additionalProperties": False}}}
+TIME = {"type": "function", "function": {
+    "name": "get_time", "parameters": {"type": "object", "properties": {"zone": {"type": "integer", "minimum": 0, "maximum": 23}},
+                                       "required": ["zone"], "additionalProperties": False}}}
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+@pytest.fixture(scope="module")
+def tool_bundle(tmp_path_factory):
+    from specdeploy.export import build_bundle
+
+    root = tmp_path_factory.mktemp("tools")
+    tiny.make_model(root / "m", "llama", seed=3, layers=2)
+    (root / "m" / "chat_template.jinja").write_text(HERMES_TEMPLATE)
+    build_bundle(root / "m", "ngram", root / "b", max_seq=1024, max_draft=8, prefill_chunk=64)
+    return root / "b"
+
+
+@pytest.fixture(scope="module")
+def server(tool_bundle):
+    batch = BatchSession(tool_bundle, batch=3)
+    with Server(batch) as s:
+        yield s
+    batch.close()
+
+
+def test_the_template_decides_the_format_and_calls_parse_back():
+    assert tool_format(HERMES_TEMPLATE) == "hermes"
+    assert tool_format(tiny.CHAT_TEMPLATE) is None
+    assert tool_format("{% for t in tools %}[TOOL_CALLS]{% endfor %}") == ""
+    text = 'ok <tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call> <tool_call>{"bad json</tool_call>'
+    content, calls = parse_calls(text)
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [("f", {"a": 1})]
+    assert content == 'ok  <tool_call>{"bad json</tool_call>'
+    grammar = call_grammar(check_tools([WEATHER, TIME]), "get_time", special=False)
+    assert "get_time" in grammar and "get_weather" not in grammar
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
+def test_a_forced_call_is_exact_under_speculation_and_parses(tool_bundle, choice):
+    session = Session(tool_bundle)
+    kw = dict(messages=ASK, tools=[WEATHER, TIME], tool_choice=choice, max_new_tokens=200)
+    plain = session.generate(speculate=False, **kw)
+    content, calls = session.tool_calls(plain.token_ids)
+    assert len(calls) == 1 and content == "", plain.text
+    arguments = json.loads(calls[0].arguments)
+    if isinstance(choice, dict):
+        assert calls[0].name == "get_weather"
+    if calls[0].name == "get_weather":
+        assert set(arguments) == {"city", "unit"} and arguments["unit"] in ("c", "f")
+    for k in (1, 3, 8, "auto"):
+        spec = session.generate(draft_len=k, **kw)
+        assert spec.token_ids == plain.token_ids, k
+    assert spec.stats.forced > 0  # the markers and the keys came for free
+
+
+def test_openai_client_tool_round_trip(server, tool_bundle):
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused")
+    first = client.chat.completions.create(model="tiny", messages=ASK, tools=[WEATHER, TIME], tool_choice="required",
+                                           max_tokens=200, temperature=0)
+    choice = first.choices[0]
+    assert choice.finish_reason == "tool_calls" and len(choice.message.tool_calls) == 1
+    call = choice.message.tool_calls[0]
+    assert call.type == "function" and call.id.startswith("call_")
+    json.loads(call.function.arguments)
+    # the same call, streamed
+    streamed = list(client.chat.completions.create(model="tiny", messages=ASK, tools=[WEATHER, TIME],
+                                                   tool_choice="required", max_tokens=200, temperature=0, stream=True))
+    deltas = [d for c in streamed if c.choices for d in (c.choices[0].delta.tool_calls or [])]
+    assert [(d.function.name, d.function.arguments) for d in deltas] == [(call.function.name, call.function.arguments)]
+    assert streamed[-1].choices[0].finish_reason == "tool_calls"
+    # the follow-up carries the tool's result; the answer equals a Session's on the same turns
+    follow = ASK + [{"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+                    {"role": "tool", "tool_call_id": call.id, "content": '{"celsius": 18}'}]
+    second = client.chat.completions.create(model="tiny", messages=follow, tools=[WEATHER, TIME], tool_choice="none",
+                                            max_tokens=20, temperature=0)
+    session = Session(tool_bundle)
+    want = session.generate(messages=follow, max_new_tokens=20)
+    assert second.choices[0].message.content == want.text and not second.choices[0].message.tool_calls
+    rendered = session.tokenizer.decode(session.encode_messages([{"role": "tool", "content": '{"celsius": 18}'}]),
+                                        skip_special_tokens=False)
+    assert "<tool_response>" in rendered  # the template's tool turn, as the request gave it
+
+
+@pytest.mark.parametrize("body, param, fragment", [
+    ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools", "function.name must be"),
+    ({"tools": [WEATHER], "tool_choice": "sometimes"}, "tool_choice", "must be \"none\", \"auto\", \"required\""),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice",
+     "no tool is named 'nope'"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "foo"}}}]}, "tools",
+     "parameters"),
+    ({"tool_choice": "required"}, "tool_choice", "'tool_choice' needs 'tools'"),
+])
+def test_bad_tools_get_a_400_that_names_the_field(server, body, param, fragment):
+    r = httpx.post(server.url + "/v1/chat/completions", json={"messages": ASK, **body})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param and fragment in r.json()["error"]["message"]
+
+
+def test_a_template_without_tools_is_refused_in_one_line(bundles):
+    session = Session(bundles("llama-ngram"))
+    with pytest.raises(Exception) as e:
+        session.generate(messages=ASK, tools=[WEATHER], max_new_tokens=8)
+    assert "chat template has no tool format" in str(e.value) and "\n" not in str(e.value)
+    # with tool_choice "none" the tools are not rendered, and the request runs
+    assert session.generate(messages=ASK, tools=[WEATHER], tool_choice="none", max_new_tokens=4).token_ids
