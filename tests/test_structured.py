@@ -131,14 +131,18 @@ def test_a_grammar_that_cannot_finish_ends_at_the_token_limit(bundles):
 
 # -- sampled: the chi-square test under a grammar ---------------------------------------------
 
-CLASS = {"regex": "[!-&]+"}  # the tiny vocabulary's tokens 3..8 ('!' to '&'), one or more
+def token_class(session, prompt) -> dict:
+    """A grammar of one or more of five one-character tokens of the tiny vocabulary: the prompt's
+    (so the n-gram draft, the prompt's third token, is one the grammar allows) and two more."""
+    chars = {session.tokenizer.decode([t]) for t in prompt[:3] + [3, 4]}
+    return {"grammar": "start: t+\nt: " + " | ".join(json.dumps(c) for c in sorted(chars))}
 
 
-def _exact_first_two(session, prompt, params):
+def _exact_first_two(session, prompt, params, structure):
     """P(first two tokens) from the target's single steps, each masked by the grammar after the
     tokens before it: {(a, b): p}."""
     grammars = session.grammars
-    grammar = grammars.compile(structure_of(CLASS))
+    grammar = grammars.compile(structure_of(structure))
     target, ids = session.target, np.array(prompt)
     target.forward(ids, 0)
     first_mask = grammars.constraint(grammar).allowed()
@@ -154,10 +158,10 @@ def _exact_first_two(session, prompt, params):
     return dist
 
 
-def _sampled_first_two(session, prompt, params):
+def _sampled_first_two(session, prompt, params, structure):
     counts = {}
     for seed in range(SAMPLES):
-        ids = session.generate(prompt_ids=prompt, max_new_tokens=3, draft_len=4, seed=seed, structure=CLASS,
+        ids = session.generate(prompt_ids=prompt, max_new_tokens=3, draft_len=4, seed=seed, structure=structure,
                                temperature=params.temperature).token_ids
         counts[ids[0], ids[1]] = counts.get((ids[0], ids[1]), 0) + 1
     return counts
@@ -166,23 +170,23 @@ def _sampled_first_two(session, prompt, params):
 @pytest.mark.parametrize("kind", ["self-int8", "ngram"])
 def test_constrained_speculative_sampling_has_the_masked_target_distribution(small_vocab, kind):
     session, prompt = small_vocab[kind]
-    params = SamplingParams(1.0)
-    exact = _exact_first_two(session, prompt, params)
-    runs = [session.generate(prompt_ids=prompt, max_new_tokens=3, draft_len=4, seed=s, structure=CLASS,
+    params, structure = SamplingParams(1.0), token_class(session, prompt)
+    exact = _exact_first_two(session, prompt, params, structure)
+    runs = [session.generate(prompt_ids=prompt, max_new_tokens=3, draft_len=4, seed=s, structure=structure,
                              temperature=1.0).stats for s in range(20)]
     assert sum(r.drafted for r in runs) > 0
-    pvalue, cells = chi_square_pvalue(exact, _sampled_first_two(session, prompt, params), SAMPLES)
+    pvalue, cells = chi_square_pvalue(exact, _sampled_first_two(session, prompt, params, structure), SAMPLES)
     assert cells >= 5 and pvalue > ALPHA, f"chi-square p = {pvalue:.2e} over {cells} cells"
 
 
 def test_the_distribution_test_catches_a_verifier_that_masks_the_first_row_only(small_vocab, monkeypatch):
     session, prompt = small_vocab["self-int8"]
-    params = SamplingParams(1.0)
-    exact = _exact_first_two(session, prompt, params)
+    params, structure = SamplingParams(1.0), token_class(session, prompt)
+    exact = _exact_first_two(session, prompt, params, structure)
     first_only = grammar_module.mask_rows
     monkeypatch.setattr("specdeploy.runtime.decoding.accept.mask_rows", lambda logits, masks: first_only(logits, masks[:1]))
     monkeypatch.setattr(grammar_module.Constraint, "commit", lambda self, tokens: None)  # takes whatever comes
-    counts = _sampled_first_two(session, prompt, params)
+    counts = _sampled_first_two(session, prompt, params, structure)
     outside = sum(n for pair, n in counts.items() if pair not in exact)
     pvalue = chi_square_pvalue(exact, counts, SAMPLES)[0] if not outside else 0.0
     assert outside or pvalue < ALPHA, f"the broken verifier passed: p = {pvalue:.2e}"
