@@ -117,6 +117,29 @@ def test_penalties_and_min_p_change_the_answer_as_they_change_a_sessions(client,
     assert session.generate(PROMPTS[2], max_new_tokens=20, **PENALTIES).text != plain
 
 
+def test_n_choices_are_lanes_each_as_a_session_alone(client, session):
+    """n = 3 sampled: three answers, choice i with seed + i, each what a Session gives alone."""
+    out = client.completions.create(model="tiny", prompt=PROMPTS[5], max_tokens=16, temperature=0.9, seed=5, n=3,
+                                    logprobs=1)
+    want = [session.generate(PROMPTS[5], max_new_tokens=16, temperature=0.9, seed=5 + i, logprobs=1) for i in range(3)]
+    assert [c.index for c in out.choices] == [0, 1, 2]
+    assert [c.text for c in out.choices] == [w.text for w in want]
+    assert len({c.text for c in out.choices}) > 1  # the seeds differ: so do the answers
+    assert out.usage.completion_tokens == sum(len(w.token_ids) for w in want)
+    assert out.choices[2].logprobs.text_offset[0] == 0  # each choice's offsets are its own
+    streamed = list(client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": PROMPTS[6]}], max_tokens=12, temperature=0.9, seed=2, n=3,
+        stream=True, stream_options={"include_usage": True}))
+    texts = ["", "", ""]
+    for chunk in streamed:
+        for c in chunk.choices:
+            texts[c.index] += c.delta.content or ""
+    ids = session.encode_messages([{"role": "user", "content": PROMPTS[6]}])
+    assert texts == [session.generate(prompt_ids=ids, max_new_tokens=12, temperature=0.9, seed=2 + i).text
+                     for i in range(3)]
+    assert streamed[-1].choices == [] and streamed[-1].usage.completion_tokens == 36
+
+
 def test_stream_options_include_usage_sends_the_usage_last(client):
     chunks = list(client.chat.completions.create(
         model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=8, temperature=0, stream=True,
@@ -138,6 +161,8 @@ def test_stream_options_include_usage_sends_the_usage_last(client):
     ("chat", {"max_tokens": 4, "max_completion_tokens": 5}, "max_completion_tokens", "not two different values"),
     ("chat", {"stream_options": {"include_usage": True}}, "stream_options", "only allowed with 'stream': true"),
     ("chat", {"stream": True, "stream_options": {"include_usage": 1}}, "include_usage", "must be a boolean"),
+    ("chat", {"n": 5}, "n", "'n' 5 is more than the batch's 4 slots"),
+    ("chat", {"n": 9}, "n", "'n' 9 is outside [1, 8]"),
     ("chat", {"response_format": {"type": "json_schema", "json_schema": {"type": "foo"}}}, "response_format",
      "'response_format.json_schema.schema' must be a JSON schema object"),
     ("chat", {"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "foo"}}}},

@@ -99,7 +99,8 @@ def test_openai_client_works_unchanged(server, reference):
         (json.dumps({"prompt": [1] * 200}).encode(), "longer than the bundle's max sequence of 128"),
         (json.dumps({"prompt": [1, 999]}).encode(), "token id 999 at prompt position 1 is outside the vocabulary"),
         (json.dumps({"prompt": "hi " * 20, "max_tokens": 100}).encode(), "exceeds the bundle's max sequence"),
-        (json.dumps({"prompt": "hi", "n": 2}).encode(), "only 'n' = 1"),
+        (json.dumps({"prompt": "hi", "n": 2}).encode(), "'n' > 1 needs the batch"),
+        (json.dumps({"prompt": "hi", "n": 0}).encode(), "'n' 0 is outside [1, 8]"),
     ],
 )
 def test_bad_requests_get_a_clear_4xx_and_the_server_keeps_serving(server, body, fragment):

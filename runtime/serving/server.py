@@ -33,6 +33,7 @@ import sys
 import threading
 import time
 import uuid
+from dataclasses import replace
 from typing import Any, NamedTuple
 
 import anyio
@@ -50,7 +51,7 @@ from starlette.routing import Route
 from specdeploy.core.errors import InputError, SpecdeployError
 from specdeploy.core.manifest import Bundle, load_bundle
 from specdeploy.runtime.decoding.request import (
-    NUMBER, SETTINGS, Limits, Request, RequestError, message_of, validate, wire_names,
+    NUMBER, SEED_END, SETTINGS, Limits, Request, RequestError, message_of, validate, wire_names,
 )
 from specdeploy.runtime.decoding.batch import BatchSession
 from specdeploy.runtime.serving.pool import Cancelled, Overloaded, QueueTimeout, SessionPool, default_batch
@@ -58,6 +59,7 @@ from specdeploy.runtime.serving.pool import Cancelled, Overloaded, QueueTimeout,
 log = logging.getLogger("specdeploy.server")
 
 FINISH = {"eos": "stop", "stop": "stop", "length": "length", "cancelled": "stop", "": None}
+MAX_N = 8  # answers a request may ask for (`n`); at most the batch's slots
 DEFAULT_MAX_BODY_BYTES = 4 << 20  # 4 MiB: a max_seq of 8k tokens as JSON-escaped non-ASCII text still fits
 DEFAULT_GRACEFUL_SECONDS = 10.0
 OFF_LOOP_BYTES = 64 << 10  # a body this large is parsed in a worker thread: its JSON alone can take milliseconds
@@ -110,6 +112,7 @@ class Parsed(NamedTuple):
     stream: bool  # the answer as server-sent events
     include_usage: bool = False  # `stream_options.include_usage`: a last chunk with the usage alone
     names: dict[str, str] = NAMES  # a request field -> the body's name for it (the `param` of a 400)
+    n: int = 1  # answers to the one prompt, each a generation of its own
 
 
 def parse_request(body: Any, chat: bool, limits: Limits) -> Parsed:
@@ -149,15 +152,16 @@ def parse_request(body: Any, chat: bool, limits: Limits) -> Parsed:
     except RequestError as e:
         raise BadRequest(str(e), names[e.field]) from None
     stream = _field(body, "stream", (bool,), False, "a boolean")
-    if _field(body, "n", (int,), 1, "an integer") != 1:
-        raise BadRequest("only 'n' = 1 is supported", "n")
+    n = _field(body, "n", (int,), 1, "an integer")
+    if not 1 <= n <= MAX_N:
+        raise BadRequest(f"'n' {n} is outside [1, {MAX_N}]", "n")
     options = body.get("stream_options")
     if options is not None and not stream:
         raise BadRequest("'stream_options' is only allowed with 'stream': true", "stream_options")
     if options is not None and not isinstance(options, dict):
         raise BadRequest(f"'stream_options' must be an object, got {json.dumps(options)[:40]}", "stream_options")
     usage = _field(options or {}, "include_usage", (bool,), False, "a boolean") if options is not None else False
-    return Parsed(req, stream, usage, names)
+    return Parsed(req, stream, usage, names, n)
 
 
 def _openai_fields(body: dict, chat: bool, given: dict[str, Any]) -> dict[str, str]:
@@ -394,6 +398,10 @@ def create_app(
             else:
                 parsed = await anyio.to_thread.run_sync(_parse, raw, chat, limits, limiter=acquire_parse_limiter())
             req = parsed.request
+            if parsed.n > 1 and not isinstance(pool, BatchSession):  # n sessions at once could wait on each other
+                raise BadRequest("'n' > 1 needs the batch (serve without --workers)", "n")
+            if parsed.n > 1 and parsed.n > pool.batch:
+                raise BadRequest(f"'n' {parsed.n} is more than the batch's {pool.batch} slots", "n")
             pool.check_capacity()  # before the template and the tokenizer
             req = await run_in_threadpool(_encode, pool, req, parsed.names)
         except TooLarge as e:
@@ -484,13 +492,16 @@ class _Run:
         self.pool, self.metrics, self.outcome, self.req, self.chat = pool, metrics, outcome, req, chat
         self.started, self.limiter, self.shutdown = started, limiter, shutdown
         self.stream, self.include_usage = parsed.stream, parsed.include_usage
-        self.logprobs = LogprobsForm(pool.session.tokenizer, chat) if req.logprobs is not None else None
+        self.logprobs = req.logprobs is not None
         # tools the model may call: its answer is read whole for calls (a stream sends it at the end)
         self.tools = chat and req.tools is not None and req.tool_choice != "none"
         self.base = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}", "created": int(time.time()),
                      "model": model_name}
         self.cancel = threading.Event()  # set when the client leaves
-        self.gen = None
+        # `n` choices: one generation each, the seeds of sampled ones apart (seed + i)
+        self.reqs = [req] + [replace(req, seed=None if req.seed is None else (req.seed + i) % SEED_END)
+                             for i in range(1, parsed.n)]
+        self.gens: list = []
         self.round_scope: anyio.CancelScope | None = None  # while a round runs in its worker thread
 
     def end_now(self) -> None:
@@ -501,10 +512,7 @@ class _Run:
 
     def _client_left(self) -> None:
         self.cancel.set()
-        gen = self.gen
-        if gen is not None:
-            gen.cancel()
-            gen.close()  # at once, or when the round in progress returns: the session goes back
+        self._end_all()
 
     async def __call__(self, scope, receive, send) -> None:
         async def watch():
@@ -548,33 +556,40 @@ class _Run:
         if self.shutdown.over:  # made before the grace period ended, run after
             return await self._fail(send, 503, SHUTDOWN_MESSAGE, "overloaded", "cancelled")
         try:
-            self.gen = gen = await anyio.to_thread.run_sync(
-                functools.partial(self.pool.start, self.req, cancel=self.cancel), limiter=self.limiter)
-        except Cancelled:
-            if self.cancel.is_set():  # the client left: nobody reads an answer
-                self.outcome("cancelled")
-                return
-            # the server shut down while it waited for a session
-            return await self._fail(send, 503, SHUTDOWN_MESSAGE, "overloaded", "cancelled",
-                                    headers={"retry-after": "1"})
-        except QueueTimeout as e:
-            return await self._fail(send, 503, str(e), "timeout", "timeout", headers={"retry-after": "1"})
-        except Overloaded as e:
-            return await self._fail(send, 503, str(e), "overloaded", headers={"retry-after": "1"})
-        except SpecdeployError as e:
-            return await self._fail(send, 400, str(e), "invalid_request_error")
-        except Exception as e:
+            for req in self.reqs:  # one generation a choice (`n`): lanes of the batch
+                self.gens.append(await anyio.to_thread.run_sync(
+                    functools.partial(self.pool.start, req, cancel=self.cancel), limiter=self.limiter))
+        except BaseException as e:
+            self._end_all()  # the choices started already
+            if isinstance(e, Cancelled):
+                if self.cancel.is_set():  # the client left: nobody reads an answer
+                    self.outcome("cancelled")
+                    return
+                # the server shut down while it waited for a session
+                return await self._fail(send, 503, SHUTDOWN_MESSAGE, "overloaded", "cancelled",
+                                        headers={"retry-after": "1"})
+            if isinstance(e, QueueTimeout):
+                return await self._fail(send, 503, str(e), "timeout", "timeout", headers={"retry-after": "1"})
+            if isinstance(e, Overloaded):
+                return await self._fail(send, 503, str(e), "overloaded", headers={"retry-after": "1"})
+            if isinstance(e, SpecdeployError):
+                return await self._fail(send, 400, str(e), "invalid_request_error")
+            if not isinstance(e, Exception):
+                raise
             log.exception("unexpected error while starting a generation")
             return await self._fail(send, 500, f"internal error ({type(e).__name__})", "server_error")
         try:
             if self.cancel.is_set():  # left while the session was being taken
-                gen.cancel()
-                gen.close()
-            await self._generate(gen, send)
+                self._end_all()
+            await self._generate(send)
         finally:
-            if not gen.ended:  # failed, or cancelled from outside (uvicorn past its grace period)
+            self._end_all(unless_ended=True)  # failed, or cancelled from outside (uvicorn past its grace period)
+
+    def _end_all(self, unless_ended: bool = False) -> None:
+        for gen in self.gens:
+            if not (unless_ended and gen.ended):
                 gen.cancel()
-                gen.close()
+                gen.close()  # at once, or when the round in its thread returns: the session goes back
 
     async def _round(self, gen):
         """The next piece (one round, in a worker thread; None at the end), or `_ENDED` when
@@ -587,17 +602,21 @@ class _Run:
                 self.round_scope = None
         return _ENDED
 
-    async def _generate(self, gen, send) -> None:
+    async def _generate(self, send) -> None:
+        """The choices' pieces, read in turn (each choice's generation runs in the batch whether
+        read or not), streamed as they come or gathered into one answer."""
         chat, kind = self.chat, "chat.completion.chunk" if self.chat else "text_completion"
-        texts, logprobs, token_ids, started_stream = [], [], [], False
+        choices = [_Choice(i, gen) for i, gen in enumerate(self.gens)]
+        for c in choices:
+            c.logprobs_form = LogprobsForm(self.pool.session.tokenizer, chat) if self.logprobs else None
+        started_stream = False
 
         def event(payload) -> dict:
             return {"type": "http.response.body", "body": f"data: {json.dumps(payload)}\n\n".encode(), "more_body": True}
 
         async def shut() -> None:
             # the grace period is over: the answer ends whole, a stream after its last whole chunk
-            gen.cancel()
-            gen.close()  # at once, or when the round in its thread returns: the session goes back
+            self._end_all()
             if not started_stream:
                 return await self._fail(send, 503, SHUTDOWN_MESSAGE, "overloaded", "cancelled",
                                         headers={"retry-after": "1"})
@@ -606,38 +625,43 @@ class _Run:
             await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
 
         try:
-            while True:
-                if self.cancel.is_set():
-                    self.outcome("cancelled")
-                    return
-                if self.shutdown.over:
-                    return await shut()
-                piece = await self._round(gen)
-                if self.cancel.is_set():
-                    self.outcome("cancelled")
-                    return
-                if piece is _ENDED:
-                    return await shut()
-                if self.stream and not started_stream:
-                    started_stream = True
-                    await send({"type": "http.response.start", "status": 200, "headers": [
-                        (b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
-                        (b"x-accel-buffering", b"no")]})
-                    if chat:
-                        await send(event({**self.base, "object": kind, "choices": [
-                            {"index": 0, "delta": {"role": "assistant"}, "finish_reason": None}]}))
-                if piece is None:
-                    break
-                token_ids += piece.token_ids
-                if self.stream and not self.tools:
-                    if piece.text or (self.logprobs is not None and piece.logprobs):
-                        choice = {"index": 0, "delta": {"content": piece.text}} if chat else {"index": 0, "text": piece.text}
-                        if self.logprobs is not None:
-                            choice["logprobs"] = self.logprobs.part(piece.logprobs)
-                        await send(event({**self.base, "object": kind, "choices": [{**choice, "finish_reason": None}]}))
-                else:  # the answer whole (or, with tools, read whole before it is streamed)
-                    texts.append(piece.text)
-                    logprobs += piece.logprobs or []
+            active = list(choices)
+            while active:
+                for c in list(active):
+                    if self.cancel.is_set():
+                        self.outcome("cancelled")
+                        return
+                    if self.shutdown.over:
+                        return await shut()
+                    piece = await self._round(c.gen)
+                    if self.cancel.is_set():
+                        self.outcome("cancelled")
+                        return
+                    if piece is _ENDED:
+                        return await shut()
+                    if self.stream and not started_stream:
+                        started_stream = True
+                        await send({"type": "http.response.start", "status": 200, "headers": [
+                            (b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
+                            (b"x-accel-buffering", b"no")]})
+                        if chat:
+                            await send(event({**self.base, "object": kind, "choices": [
+                                {"index": d.index, "delta": {"role": "assistant"}, "finish_reason": None}
+                                for d in choices]}))
+                    if piece is None:
+                        active.remove(c)
+                        continue
+                    c.token_ids += piece.token_ids
+                    if self.stream and not self.tools:
+                        if piece.text or (self.logprobs and piece.logprobs):
+                            choice = ({"index": c.index, "delta": {"content": piece.text}} if chat
+                                      else {"index": c.index, "text": piece.text})
+                            if self.logprobs:
+                                choice["logprobs"] = c.logprobs_form.part(piece.logprobs)
+                            await send(event({**self.base, "object": kind, "choices": [{**choice, "finish_reason": None}]}))
+                    else:  # the answer whole (or, with tools, read whole before it is streamed)
+                        c.texts.append(piece.text)
+                        c.logprobs += piece.logprobs or []
         except Exception as e:
             if isinstance(e, InputError):
                 status, kind_, message = 400, "invalid_request_error", str(e)
@@ -653,54 +677,76 @@ class _Run:
             await send(event(_error_body(message, kind_)))
             await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
             return
-        stats = gen.stats
-        if stats.finish_reason == "cancelled":  # ended by the server shutting down, not by the client
+        if any(c.gen.stats.finish_reason == "cancelled" for c in choices):  # ended by the shutdown, not the client
             return await shut()
-        self.metrics.record(stats, time.perf_counter() - self.started)
-        finish = FINISH[stats.finish_reason]
+        for c in choices:
+            self.metrics.record(c.gen.stats, time.perf_counter() - self.started)
+            self._read(c)
+        usage = _usage([c.gen.stats for c in choices])
         self.outcome("200")
-        text, calls = "".join(texts), []
-        if self.tools:
-            content, calls = self.pool.session.tool_calls(token_ids)
-            text = content if calls else text
-            finish = "tool_calls" if calls else finish
-            calls = [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-                      "function": {"name": c.name, "arguments": c.arguments}} for c in calls]
         if self.stream:
-            if self.tools:  # the answer, read whole: its content, then its calls
-                delta = {"content": text} if text else {}
-                if calls:
-                    delta["tool_calls"] = [{"index": i, **c} for i, c in enumerate(calls)]
-                if delta:
-                    choice = {"index": 0, "delta": delta, "finish_reason": None}
-                    if self.logprobs is not None:
-                        choice["logprobs"] = self.logprobs.part(logprobs)
-                    await send(event({**self.base, "object": kind, "choices": [choice]}))
-            last = {"index": 0, "delta": {}} if chat else {"index": 0, "text": ""}
+            for c in choices:
+                if self.tools:  # the answer, read whole: its content, then its calls
+                    delta = {"content": c.text} if c.text else {}
+                    if c.calls:
+                        delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(c.calls)]
+                    if delta:
+                        choice = {"index": c.index, "delta": delta, "finish_reason": None}
+                        if self.logprobs:
+                            choice["logprobs"] = c.logprobs_form.part(c.logprobs)
+                        await send(event({**self.base, "object": kind, "choices": [choice]}))
+                last = {"index": c.index, "delta": {}} if chat else {"index": c.index, "text": ""}
+                with_usage = not self.include_usage and c is choices[-1]  # the usage rides on the last chunk
+                await send(event({**self.base, "object": kind, "choices": [{**last, "finish_reason": c.finish}],
+                                  **({"usage": usage} if with_usage else {})}))
             if self.include_usage:  # OpenAI's form: the usage alone in a last chunk with no choices
-                await send(event({**self.base, "object": kind, "choices": [{**last, "finish_reason": finish}]}))
-                await send(event({**self.base, "object": kind, "choices": [], "usage": _usage(stats)}))
-            else:
-                await send(event({**self.base, "object": kind, "choices": [{**last, "finish_reason": finish}],
-                                  "usage": _usage(stats)}))
+                await send(event({**self.base, "object": kind, "choices": [], "usage": usage}))
             await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
             return
-        choice = (
-            {"index": 0, "message": {"role": "assistant", "content": text if text or not calls else None},
-             "finish_reason": finish}
-            if chat
-            else {"index": 0, "text": text, "finish_reason": finish}
-        )
-        if calls:
-            choice["message"]["tool_calls"] = calls
-        choice["logprobs"] = self.logprobs.part(logprobs) if self.logprobs is not None else None
+        answers = []
+        for c in choices:
+            choice = ({"index": c.index, "message": {"role": "assistant", "content": c.text if c.text or not c.calls
+                                                     else None}, "finish_reason": c.finish}
+                      if chat else {"index": c.index, "text": c.text, "finish_reason": c.finish})
+            if c.calls:
+                choice["message"]["tool_calls"] = c.calls
+            choice["logprobs"] = c.logprobs_form.part(c.logprobs) if self.logprobs else None
+            answers.append(choice)
+        stats = [c.gen.stats.as_dict() for c in choices]
         await self._json(send, 200, {
             **self.base,
             "object": "chat.completion" if chat else "text_completion",
-            "choices": [choice],
-            "usage": _usage(stats),
-            "specdeploy": stats.as_dict(),
+            "choices": answers,
+            "usage": usage,
+            "specdeploy": stats[0] if len(stats) == 1 else stats,
         })
+
+    def _read(self, c: "_Choice") -> None:
+        """A choice's text, tool calls and finish reason, once its generation has ended."""
+        c.text, c.finish = "".join(c.texts), FINISH[c.gen.stats.finish_reason]
+        if self.tools:
+            content, calls = self.pool.session.tool_calls(c.token_ids)
+            if calls:
+                c.text, c.finish = content, "tool_calls"
+                c.calls = [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                            "function": {"name": call.name, "arguments": call.arguments}} for call in calls]
+
+
+class _Choice:
+    """One of a request's `n` answers: its generation and what was read of it."""
+
+    def __init__(self, index: int, gen):
+        self.index, self.gen = index, gen
+        self.texts, self.logprobs, self.token_ids = [], [], []
+        self.text, self.finish, self.calls = "", None, []
+        self.logprobs_form = None  # the request's LogprobsForm, one a choice (a completion's offsets are its own)
+
+
+def _usage(stats: list) -> dict:
+    """A request's usage: its prompt once, the tokens of all its choices."""
+    prompt, completion = stats[0].prompt_tokens, sum(s.new_tokens for s in stats)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": stats[0].cached_tokens}}  # reused from the prompt cache
 
 
 class LogprobsForm:
@@ -734,12 +780,6 @@ class LogprobsForm:
 def _finite(logprob: float) -> float:
     """JSON has no -Infinity: a token the row rules out reads as vLLM gives it."""
     return max(logprob, -9999.0)
-
-
-def _usage(stats) -> dict:
-    return {"prompt_tokens": stats.prompt_tokens, "completion_tokens": stats.new_tokens,
-            "total_tokens": stats.prompt_tokens + stats.new_tokens,
-            "prompt_tokens_details": {"cached_tokens": stats.cached_tokens}}  # reused from the prompt cache
 
 
 def running(bundle: Bundle, workers: int | None, batch: int | None, device: str | None = None,
