@@ -60,15 +60,19 @@ def test_constrained_speculative_output_equals_constrained_plain(name, bundles):
     assert drafted > 0 and forced > 0 and ended > 0
 
 
-def test_a_batch_constrains_each_lane_as_a_session_alone(bundles):
-    session = Session(bundles("llama-ngram"))
+@pytest.mark.parametrize("name", ["llama-ngram", "llama-suffix", "llama-model"])
+def test_a_batch_constrains_each_lane_as_a_session_alone(name, bundles):
+    session = Session(bundles(name))
     kinds = list(STRUCTURES.values())
     jobs = []
-    for i, prompt in enumerate(PROMPTS[:10]):  # greedy and seeded sampled lanes, each grammar
-        jobs.append((prompt, dict(structure=kinds[i % len(kinds)], **(dict(temperature=0.8, seed=i) if i % 2 else {}))))
+    for i, prompt in enumerate(PROMPTS[:12]):  # greedy and seeded sampled lanes, each grammar, some pinned
+        jobs.append((prompt, dict(structure=kinds[i % len(kinds)], **(dict(temperature=0.8, seed=i) if i % 2 else {}),
+                                  **(dict(draft_len=3) if i % 3 == 2 else {}),
+                                  private=True)))  # a suffix index of its own text alone: the order others ran in
+        # (which a batch changes) would change a sampled lane's drafts, and so its random draws
     jobs.append((PROMPTS[0], {}))  # and one free lane beside them
     alone = [session.generate(p, max_new_tokens=30, **kw).token_ids for p, kw in jobs]
-    batch = BatchSession(bundles("llama-ngram"), batch=3, max_queue=len(jobs))
+    batch = BatchSession(bundles(name), batch=3, max_queue=len(jobs))
     try:
         with ThreadPoolExecutor(len(jobs)) as pool:
             together = list(pool.map(lambda job: batch.generate(job[0], max_new_tokens=30, **job[1]).token_ids, jobs))

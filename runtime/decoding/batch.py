@@ -47,7 +47,7 @@ from specdeploy.runtime.decoding.batch_draft import BatchDraft, BatchHeads
 from specdeploy.runtime.decoding.drafters import Proposal, drafter_class, make_drafter
 from specdeploy.runtime.decoding.drafters.model import static_cost_ratio
 from specdeploy.runtime.decoding.engine import Checked
-from specdeploy.runtime.decoding.loop import check_finite, look_up
+from specdeploy.runtime.decoding.loop import check_finite, grammar_draft, look_up
 from specdeploy.runtime.decoding.policy import DraftLength, PassCost, Probes, TreeSize
 from specdeploy.runtime.decoding.request import Request
 from specdeploy.runtime.decoding.sampling import SamplingParams
@@ -226,6 +226,7 @@ class Lane:
     tokens: np.ndarray | None = None  # the drafts to verify (chain) or candidates (sampled tree lanes)
     tree: DraftTree | None = None
     proposal: Proposal | None = None  # a model draft's, with its probabilities and costs
+    forced: int = 0  # of the drafts, the first ones its grammar forced (proposed as Session's round does)
 
     @property
     def params(self) -> SamplingParams:
@@ -668,12 +669,17 @@ class BatchSession(Prompts):
         ids = lane.ids[: lane.end]
         lane.tree = None
         lane.tokens = EMPTY
+        lane.forced = 0
         if lane.drafter is None or most <= 0:
             return 0
         if lane.sizes is None:  # a pinned k, as Session's chain round
             k = min(lane.fixed, most)
-            lane.tokens = lane.drafter.propose(ids, k, lane.params, lane.rng).tokens if k > 0 else EMPTY
-            lane.tokens = lane.judge.admissible(lane.tokens, None)
+            forced = lane.judge.forced(most)
+            if forced.shape[0]:
+                lane.tokens, lane.forced = grammar_draft(lane.drafter, ids, forced, k, lane.judge).tokens, forced.shape[0]
+            else:
+                lane.tokens = lane.drafter.propose(ids, k, lane.params, lane.rng).tokens if k > 0 else EMPTY
+                lane.tokens = lane.judge.admissible(lane.tokens, None)
             return lane.tokens.shape[0]
         if lane.greedy_auto and not look:
             return 0
@@ -697,12 +703,19 @@ class BatchSession(Prompts):
         return max(0, min(lane.fixed if lane.fixed is not None else lane.lengths.choose(), most))
 
     def _draft(self, lanes: list[Lane], ks: list[int]) -> None:
-        """Every lane's drafts of this round, in one batched pass per draft step."""
+        """Every lane's drafts of this round, in one batched pass per draft step; a lane whose
+        grammar forces tokens proposes those instead, drafting nothing (as Session's round)."""
+        forced = [lane.judge.forced(lane.req.max_new_tokens - (lane.end - lane.n) - 1) if lane.drafter is not None
+                  else EMPTY for lane in lanes]
+        ks = [0 if f.shape[0] else k for k, f in zip(ks, forced)]
         confidence = [lane.lengths.min_confidence if lane.lengths is not None else 0.0 for lane in lanes]
         proposals = self.draft.propose(lanes, ks, confidence)
-        for lane, proposal in zip(lanes, proposals):
-            proposal = lane.judge.cut(proposal) if proposal is not None else None  # where the grammar leaves it
-            lane.tree, lane.proposal = None, proposal
+        for lane, proposal, f in zip(lanes, proposals, forced):
+            if f.shape[0]:
+                proposal = Proposal(f)
+            elif proposal is not None:
+                proposal = lane.judge.cut(proposal)  # where the grammar leaves it
+            lane.tree, lane.proposal, lane.forced = None, proposal, f.shape[0]
             lane.tokens = proposal.tokens if proposal is not None else EMPTY
         for proposal in proposals:  # each lane's own passes, timed
             if proposal is not None:
@@ -822,11 +835,14 @@ class BatchSession(Prompts):
         drafts, p = lane.tokens, lane.proposal
         n_accepted, token = lane.judge.chain(lane.ids[: lane.end], Checked(drafts, p.probs if p is not None else None,
                                                                            logits, tokens))
-        chosen = drafts.shape[0] if lane.drafter is not None else None
+        chosen = drafts.shape[0] if lane.drafter is not None and not lane.forced else None
         if p is not None:  # a model draft's round, recorded as Session records it
-            record = Round(drafts.shape[0], n_accepted, seconds, p.seconds, p.passes, p.caught_up, p.first_seconds, chosen)
+            record = Round(drafts.shape[0], n_accepted, seconds, p.seconds, p.passes, p.caught_up, p.first_seconds, chosen,
+                           forced=lane.forced)
         else:
-            record = Round(drafts.shape[0], n_accepted, seconds, chosen=chosen)
+            record = Round(drafts.shape[0], n_accepted, seconds, chosen=chosen, forced=lane.forced)
+        if lane.forced:  # a forced round says nothing of the drafter (as Session's rounds)
+            return np.append(drafts[:n_accepted], token), record
         if lane.lengths is not None:  # its own policy learns (a greedy lane's acceptance only: costs are the batch's)
             lane.lengths.update(record if not lane.greedy_auto else Round(drafts.shape[0], n_accepted, 0.0))
         elif lane.greedy_auto:
