@@ -127,6 +127,11 @@ def test_n_choices_are_lanes_each_as_a_session_alone(client, session):
     assert len({c.text for c in out.choices}) > 1  # the seeds differ: so do the answers
     assert out.usage.completion_tokens == sum(len(w.token_ids) for w in want)
     assert out.choices[2].logprobs.text_offset[0] == 0  # each choice's offsets are its own
+    # one prefill: the later choices' lanes copied the prompt's K/V from the first's slot
+    fresh = "A prompt no request gave before: " + PROMPTS[7]  # so no slot held it already
+    raw = httpx.post(str(client.base_url.join("completions")), json={
+        "prompt": fresh, "max_tokens": 4, "n": 3, "temperature": 0.9, "seed": 5}).json()["specdeploy"]
+    assert [s["cached_tokens"] for s in raw] == [0] + [raw[0]["prompt_tokens"] - 1] * 2
     streamed = list(client.chat.completions.create(
         model="tiny", messages=[{"role": "user", "content": PROMPTS[6]}], max_tokens=12, temperature=0.9, seed=2, n=3,
         stream=True, stream_options={"include_usage": True}))

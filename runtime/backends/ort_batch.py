@@ -153,6 +153,14 @@ class OrtBatchEngine:
             kv = buffer[slot]  # [Hkv, S, D] (buffer[slot, :, source] would put the indexed axis first)
             kv[:, start : start + source.shape[0]] = kv[:, source]
 
+    def copy(self, source: int, dest: int, start: int, end: int) -> None:
+        """Slot `dest`'s K/V (and hidden states) at positions start..end-1 made those of slot
+        `source` (a prompt another lane has prefilled already)."""
+        for buffer in self.kv:
+            buffer[dest, :, start:end] = buffer[source, :, start:end]
+        if self.features is not None:
+            self.features[dest, start:end] = self.features[source, start:end]
+
     def swap(self, a: int, b: int, length_a: int, length_b: int) -> None:
         """Exchange the K/V of slots a and b: the first length_a slots of a's, length_b of b's."""
         if a == b:

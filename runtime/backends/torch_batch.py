@@ -185,6 +185,12 @@ class TorchBatchEngine:
         self.stats.capture_seconds += time.perf_counter() - t0
         return self._graphs[key]
 
+    def copy(self, source: int, dest: int, start: int, end: int) -> None:
+        """Slot `dest`'s K/V at positions start..end-1 made those of slot `source`, on the device."""
+        with torch.no_grad():
+            for buffer in self.kv:
+                buffer[dest, :, start:end] = buffer[source, :, start:end]
+
     def swap(self, a: int, b: int, length_a: int, length_b: int) -> None:
         """Exchange the K/V of slots a and b (their first length_a / length_b positions), on the device."""
         if a == b:

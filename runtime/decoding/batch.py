@@ -586,6 +586,7 @@ class BatchSession(Prompts):
     def _prefill(self, lane: Lane, whole: bool) -> None:
         chunk = self.bundle.prefill_chunk
         t0 = time.perf_counter()
+        self._share(lane)
         while not lane.ready:
             at = lane.prefilled
             upto = min(at + chunk, lane.n - 1)
@@ -598,6 +599,29 @@ class BatchSession(Prompts):
         if lane.ready:  # into the ready region: slots 0..(ready lanes)-1
             ready = sum(1 for other in self._lanes if other.ready and other is not lane)
             self._move(lane, ready)
+
+    def _share(self, lane: Lane) -> None:
+        """Copy into the lane's slot the K/V another lane holds of the lane's prompt beyond what it
+        has prefilled (the `n` answers to one prompt, a system prompt requests share): K/V at a
+        position depend only on the tokens up to it, so the copy is what a prefill would write."""
+        if not self.prompt_cache or lane.req.private:
+            return
+        best, upto = None, lane.prefilled
+        for other in self._lanes:
+            if other is lane or other.req.private:
+                continue
+            held = other.end - 1 if other.ready else other.prefilled  # positions whose K/V its slot holds
+            m = min(held, lane.n - 1)
+            if m <= upto:
+                continue
+            differ = np.flatnonzero(other.ids[:m] != lane.ids[:m])
+            same = int(differ[0]) if differ.size else m
+            if same > upto:
+                best, upto = other, same
+        if best is not None:
+            self.target.copy(best.slot, lane.slot, lane.prefilled, upto)
+            lane.stats.cached_tokens += upto - lane.prefilled
+            lane.prefilled = upto
 
     def _move(self, lane: Lane, slot: int) -> None:
         """Swap `lane` with whatever occupies `slot` (another lane, or a free slot)."""
