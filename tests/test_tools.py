@@ -11,7 +11,7 @@ import pytest
 import tiny
 from specdeploy.runtime import Session
 from specdeploy.runtime.decoding.batch import BatchSession
-from specdeploy.runtime.decoding.tools import call_grammar, check_tools, parse_calls, tool_format
+from specdeploy.runtime.decoding.tools import call_grammar, check_tools, content_before_calls, parse_calls, tool_format
 from loopback import Server
 
 openai = pytest.importorskip("openai")
@@ -68,6 +68,9 @@ def test_the_template_decides_the_format_and_calls_parse_back():
     content, calls = parse_calls(text)
     assert [(c.name, json.loads(c.arguments)) for c in calls] == [("f", {"a": 1})]
     assert content == 'ok  <tool_call>{"bad json</tool_call>'
+    assert content_before_calls("Sure. <tool_call>\n{") == len("Sure. ")
+    assert content_before_calls("Sure. <tool_") == len("Sure. ")  # may be the marker's beginning
+    assert content_before_calls("caf\ufffd") == 3 and content_before_calls("no call") == 7
     grammar = call_grammar(check_tools([WEATHER, TIME]), "get_time", special=False)
     assert "get_time" in grammar and "get_weather" not in grammar
 
@@ -116,6 +119,17 @@ def test_openai_client_tool_round_trip(server, tool_bundle):
     rendered = session.tokenizer.decode(session.encode_messages([{"role": "tool", "content": '{"celsius": 18}'}]),
                                         skip_special_tokens=False)
     assert "<tool_response>" in rendered  # the template's tool turn, as the request gave it
+
+
+def test_with_tools_a_streamed_answer_sends_its_content_as_it_comes(server):
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused")
+    kw = dict(model="tiny", messages=ASK, tools=[WEATHER], tool_choice="auto", max_tokens=24, temperature=0)
+    whole = client.chat.completions.create(**kw).choices[0]
+    chunks = list(client.chat.completions.create(stream=True, **kw))
+    content = [c.choices[0].delta.content for c in chunks if c.choices and c.choices[0].delta.content]
+    assert len(content) > 2  # round by round, not at the end
+    if whole.finish_reason != "tool_calls":  # the tiny model wrote text, no call
+        assert "".join(content) == whole.message.content
 
 
 @pytest.mark.parametrize("body, param, fragment", [

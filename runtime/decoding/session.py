@@ -273,11 +273,16 @@ class Prompts:
                                "tool_choice")
         return tools
 
-    def tool_calls(self, token_ids) -> tuple[str, list[ToolCall]]:
-        """An answer's tool calls, parsed from its text with special tokens kept (the markers may
-        be special tokens): -> (the content outside the calls, the calls)."""
+    def tool_text(self, token_ids) -> str:
+        """An answer's text with special tokens kept (a template's tool-call markers may be special
+        tokens), its EOS left out: what tool calls are parsed from."""
         eos = set(self.eos_token_ids)
-        return parse_calls(self.tokenizer.decode([t for t in token_ids if t not in eos], skip_special_tokens=False))
+        return self.tokenizer.decode([t for t in token_ids if t not in eos], skip_special_tokens=False)
+
+    def tool_calls(self, token_ids) -> tuple[str, list[ToolCall]]:
+        """An answer's tool calls: -> (the content outside the calls, the calls)."""
+        content, calls = parse_calls(self.tool_text(token_ids))
+        return content.strip() if calls else content, calls
 
     @functools.cached_property
     def grammars(self) -> Grammars:

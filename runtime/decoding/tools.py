@@ -91,8 +91,8 @@ def call_grammar(tools: tuple[str, ...], choice: str, special: bool) -> str:
 
 
 def parse_calls(text: str) -> tuple[str, list[ToolCall]]:
-    """The model's answer (special tokens kept) -> (its content outside the calls, the calls).
-    A block whose JSON does not read as {"name", "arguments"} stays content."""
+    """The model's answer (special tokens kept) -> (its content outside the calls, as written,
+    the calls). A block whose JSON does not read as {"name", "arguments"} stays content."""
     calls, kept, pos = [], [], 0
     for m in CALL.finditer(text):
         try:
@@ -107,4 +107,19 @@ def parse_calls(text: str) -> tuple[str, list[ToolCall]]:
         kept.append(text[pos:m.start()])
         pos = m.end()
     kept.append(text[pos:])
-    return "".join(kept).strip() if calls else text, calls
+    return "".join(kept) if calls else text, calls
+
+
+def content_before_calls(text: str) -> int:
+    """How much of a growing answer is content for certain: up to its first call's marker, less
+    an end that may be the marker's beginning or an incomplete character."""
+    at = text.find(OPEN)
+    if at >= 0:
+        return at
+    end = len(text)
+    while end and text[end - 1] == "\ufffd":  # a character whose last bytes have not come
+        end -= 1
+    for keep in range(min(len(OPEN) - 1, end), 0, -1):
+        if text[end - keep:end] == OPEN[:keep]:
+            return end - keep
+    return end

@@ -54,6 +54,7 @@ from specdeploy.runtime.decoding.request import (
     NUMBER, SEED_END, SETTINGS, Limits, Request, RequestError, message_of, validate, wire_names,
 )
 from specdeploy.runtime.decoding.batch import BatchSession
+from specdeploy.runtime.decoding.tools import content_before_calls, parse_calls
 from specdeploy.runtime.serving.pool import Cancelled, Overloaded, QueueTimeout, SessionPool, default_batch
 
 log = logging.getLogger("specdeploy.server")
@@ -659,9 +660,16 @@ class _Run:
                             if self.logprobs:
                                 choice["logprobs"] = c.logprobs_form.part(piece.logprobs)
                             await send(event({**self.base, "object": kind, "choices": [{**choice, "finish_reason": None}]}))
-                    else:  # the answer whole (or, with tools, read whole before it is streamed)
+                    else:  # the answer whole (or, with tools, its calls read whole)
                         c.texts.append(piece.text)
                         c.logprobs += piece.logprobs or []
+                        if self.stream:  # with tools: the content before any call streams as it comes
+                            raw = self.pool.session.tool_text(c.token_ids)
+                            upto = content_before_calls(raw)
+                            if upto > c.sent:
+                                await send(event({**self.base, "object": kind, "choices": [
+                                    {"index": c.index, "delta": {"content": raw[c.sent:upto]}, "finish_reason": None}]}))
+                                c.sent = upto
         except Exception as e:
             if isinstance(e, InputError):
                 status, kind_, message = 400, "invalid_request_error", str(e)
@@ -686,8 +694,8 @@ class _Run:
         self.outcome("200")
         if self.stream:
             for c in choices:
-                if self.tools:  # the answer, read whole: its content, then its calls
-                    delta = {"content": c.text} if c.text else {}
+                if self.tools:  # the rest of its content, then its calls
+                    delta = {"content": c.rest} if c.rest else {}
                     if c.calls:
                         delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(c.calls)]
                     if delta:
@@ -722,12 +730,15 @@ class _Run:
         })
 
     def _read(self, c: "_Choice") -> None:
-        """A choice's text, tool calls and finish reason, once its generation has ended."""
+        """A choice's text, tool calls and finish reason, once its generation has ended (and, for
+        a stream with tools, the content not streamed yet)."""
         c.text, c.finish = "".join(c.texts), FINISH[c.gen.stats.finish_reason]
         if self.tools:
-            content, calls = self.pool.session.tool_calls(c.token_ids)
+            raw = self.pool.session.tool_text(c.token_ids)
+            content, calls = parse_calls(raw)
+            c.rest = (content if calls else raw)[c.sent:]
             if calls:
-                c.text, c.finish = content, "tool_calls"
+                c.text, c.finish = content.strip(), "tool_calls"
                 c.calls = [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
                             "function": {"name": call.name, "arguments": call.arguments}} for call in calls]
 
@@ -739,6 +750,7 @@ class _Choice:
         self.index, self.gen = index, gen
         self.texts, self.logprobs, self.token_ids = [], [], []
         self.text, self.finish, self.calls = "", None, []
+        self.sent, self.rest = 0, ""  # a stream with tools: characters of content sent, and what is left
         self.logprobs_form = None  # the request's LogprobsForm, one a choice (a completion's offsets are its own)
 
 
