@@ -13,9 +13,9 @@ token, as for n-gram drafts).
 - Tree: walk from the root, following the child that carries the target's token for each row.
 
 A generation's rounds are judged by its `Judge` (Session's rounds and a batch's lanes alike):
-the request's penalties applied to each row under the tokens before it, then `accept_chain` /
-`accept_path`, which look the three rules up by name here, then the log probabilities of the
-tokens it commits, where the request asks for them.
+the request's penalties, then its grammar's mask, applied to each row under the tokens before
+it, then `accept_chain` / `accept_path`, which look the three rules up by name here, then the
+log probabilities of the tokens it commits, where the request asks for them.
 """
 from __future__ import annotations
 
@@ -43,8 +43,9 @@ class TokenLogprob(NamedTuple):
 
 class Judge:
     """One generation's verdicts on its rounds: its sampling settings and random stream, the
-    prompt's length (penalties count what follows it), and the log probabilities of the tokens
-    it commits when `logprobs` (alternatives per token) is not None."""
+    prompt's length (penalties count what follows it), its grammar (`constraint`: what drafts it
+    cuts and forces, and each row's mask), and the log probabilities of the tokens it commits
+    when `logprobs` (alternatives per token) is not None."""
 
     def __init__(self, params: SamplingParams, rng: np.random.Generator, prompt_len: int, logprobs: int | None = None,
                  constraint: Constraint | None = None):

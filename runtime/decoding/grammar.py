@@ -1,19 +1,20 @@
 """Structured output: a request's structure (a JSON schema, any JSON object, a regular
 expression, a Lark grammar, a choice of strings), compiled by llguidance against the bundle's
-tokenizer, and each generation's `Constraint`: the token mask of every verify row, the state
-advanced along the drafts and rolled back, the tokens the grammar forces.
+tokenizer, and each generation's `Constraint`: the token mask of every verify row (the state
+advanced along the drafts on a copy), where a draft leaves the grammar, the tokens it forces.
 
 Speculation keeps constrained output exact because the mask is applied to each row under the
 tokens before it (the committed ones, then the drafts), as a single step would apply it: a row
 after a draft the grammar forbids is never read (the draft is rejected there for certain).
-llguidance was chosen over xgrammar for its footprint (numpy, no torch: the runtime imports
-neither), its rollback and draft validation, and its forced tokens; both compute a mask for
+llguidance was chosen over xgrammar for its footprint (numpy; xgrammar imports torch, which the
+runtime never does), its draft validation and its forced tokens; both compute a mask for
 SmolLM2's 49k-token vocabulary in tens of microseconds on this CPU (results/structured/).
 """
 from __future__ import annotations
 
 import functools
 import json
+
 import numpy as np
 
 from specdeploy.runtime.decoding.request import RequestError, Structure

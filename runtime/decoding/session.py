@@ -249,6 +249,9 @@ class Prompts:
         """The request's tools as the chat template takes them (None: no tools, or tool choice
         "none"), after the checks that need the bundle: a template that reads them in the form
         parsed here, a choice among them, schemas the grammar engine compiles."""
+        if req.tools is None and req.tool_choice not in ("auto", "none"):
+            raise RequestError(f"{labels.get('tool_choice', 'tool_choice')} {req.tool_choice!r} needs tools",
+                               "tool_choice")
         if req.tools is None or req.tool_choice == "none":
             return None
         label = labels.get("tools", "tools")
@@ -409,6 +412,8 @@ class Session(Prompts):
         logprobs: each piece carries its tokens' log probabilities, with that many alternatives.
         structure: what the text must match, one of {"json": a JSON schema}, {"json_object": True},
         {"regex": ...}, {"grammar": a Lark grammar}, {"choice": [strings]} (grammar.py).
+        messages (a chat, OpenAI's turns), tools and tool_choice (OpenAI's forms: tools.py); an
+        answer's calls: `tool_calls(token_ids)`.
         The keywords are those of `request`.
 
         The arguments are checked by the request schema (runtime/decoding/request.py) before
@@ -538,10 +543,10 @@ def tree_sizes(tree_nodes, draft_len, drafter, params: SamplingParams, capable: 
 
 def chain_nodes(req: Request) -> int | str:
     """The request's tree nodes, or 1 (chains) where it asks for logprobs or a structure: a tree
-    pass's rows can differ from single steps in the last bits of a logit (its attention sums its
-    keys in another order), which leaves greedy tokens as they are but not the log probabilities
-    reported; a grammar's masks follow a chain's drafts (a tree's paths would need one matcher
-    state per node)."""
+    pass's rows can differ from single steps in the last bits of a logit (up to 7e-7 in a log
+    probability, measured on a tiny suffix bundle; the tokens were equal), which would show in
+    the log probabilities reported; a grammar's masks follow a chain's drafts (a tree's paths
+    would need one matcher state per node)."""
     return 1 if req.logprobs is not None or req.structure is not None else req.tree_nodes
 
 

@@ -494,7 +494,8 @@ class _Run:
         self.started, self.limiter, self.shutdown = started, limiter, shutdown
         self.stream, self.include_usage = parsed.stream, parsed.include_usage
         self.logprobs = req.logprobs is not None
-        # tools the model may call: its answer is read whole for calls (a stream sends it at the end)
+        # tools the model may call: its calls are read from the whole answer (a stream sends the
+        # content before them as it comes, the calls at the end)
         self.tools = chat and req.tools is not None and req.tool_choice != "none"
         self.base = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}", "created": int(time.time()),
                      "model": model_name}
