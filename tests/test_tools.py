@@ -30,6 +30,20 @@ HERMES_TEMPLATE = (
     "{%- else %}<|im_start|>{{ message.role }}\n{{ message.content }}<|im_end|>\n{%- endif %}"
     "{%- endfor %}{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
+LLAMA_TEMPLATE = (
+    "{%- if tools %}<|im_start|>user\nGiven the following functions, please respond with a JSON for a function call "
+    "with its proper arguments that best answers the given prompt.\n\nRespond in the format {\"name\": function name, "
+    "\"parameters\": dictionary of argument name and its value}. Do not use variables.\n"
+    "{%- for tool in tools %}\n{{ tool | tojson }}{%- endfor %}<|im_end|>\n{% endif %}"
+    "{%- for message in messages %}"
+    "{%- if message.role == 'assistant' and message.tool_calls %}<|im_start|>assistant\n"
+    "{%- for call in message.tool_calls %}"
+    "{\"name\": \"{{ call.function.name }}\", \"parameters\": {{ call.function.arguments | tojson }}}"
+    "{%- endfor %}<|im_end|>\n"
+    "{%- elif message.role in ('tool', 'ipython') %}<|im_start|>ipython\n{{ message.content }}<|im_end|>\n"
+    "{%- else %}<|im_start|>{{ message.role }}\n{{ message.content }}<|im_end|>\n{%- endif %}"
+    "{%- endfor %}{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city",
     "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
@@ -41,15 +55,23 @@ TIME = {"type": "function", "function": {
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
-@pytest.fixture(scope="module")
-def tool_bundle(tmp_path_factory):
+def _bundle(root, template):
     from specdeploy.export import build_bundle
 
-    root = tmp_path_factory.mktemp("tools")
     tiny.make_model(root / "m", "llama", seed=3, layers=2)
-    (root / "m" / "chat_template.jinja").write_text(HERMES_TEMPLATE)
+    (root / "m" / "chat_template.jinja").write_text(template)
     build_bundle(root / "m", "ngram", root / "b", max_seq=1024, max_draft=8, prefill_chunk=64)
     return root / "b"
+
+
+@pytest.fixture(scope="module")
+def tool_bundle(tmp_path_factory):
+    return _bundle(tmp_path_factory.mktemp("tools"), HERMES_TEMPLATE)
+
+
+@pytest.fixture(scope="module")
+def llama_bundle(tmp_path_factory):
+    return _bundle(tmp_path_factory.mktemp("llama_tools"), LLAMA_TEMPLATE)
 
 
 @pytest.fixture(scope="module")
@@ -61,8 +83,11 @@ def server(tool_bundle):
 
 
 def test_the_template_decides_the_format_and_calls_parse_back():
-    assert tool_format(HERMES_TEMPLATE) == "hermes"
+    assert tool_format(HERMES_TEMPLATE) == "hermes" and tool_format(LLAMA_TEMPLATE) == "llama"
     assert tool_format(tiny.CHAT_TEMPLATE) is None
+    assert parse_calls('<|python_tag|>{"name": "f", "parameters": {"a": 1}}', "llama")[1][0].arguments == '{"a": 1}'
+    assert parse_calls('Sure, {"name": "f"} is a call', "llama") == ('Sure, {"name": "f"} is a call', [])
+    assert content_before_calls(' {"na', "llama") == 0 and content_before_calls("Hello", "llama") == 5
     assert tool_format("{% for t in tools %}[TOOL_CALLS]{% endfor %}") == ""
     text = 'ok <tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call> <tool_call>{"bad json</tool_call>'
     content, calls = parse_calls(text)
@@ -71,13 +96,14 @@ def test_the_template_decides_the_format_and_calls_parse_back():
     assert content_before_calls("Sure. <tool_call>\n{") == len("Sure. ")
     assert content_before_calls("Sure. <tool_") == len("Sure. ")  # may be the marker's beginning
     assert content_before_calls("caf\ufffd") == 3 and content_before_calls("no call") == 7
-    grammar = call_grammar(check_tools([WEATHER, TIME]), "get_time", special=False)
+    grammar = call_grammar(check_tools([WEATHER, TIME]), "get_time", "hermes", set())
     assert "get_time" in grammar and "get_weather" not in grammar
 
 
+@pytest.mark.parametrize("form", ["hermes", "llama"])
 @pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
-def test_a_forced_call_is_exact_under_speculation_and_parses(tool_bundle, choice):
-    session = Session(tool_bundle)
+def test_a_forced_call_is_exact_under_speculation_and_parses(tool_bundle, llama_bundle, choice, form):
+    session = Session(tool_bundle if form == "hermes" else llama_bundle)
     kw = dict(messages=ASK, tools=[WEATHER, TIME], tool_choice=choice, max_new_tokens=200)
     plain = session.generate(speculate=False, **kw)
     content, calls = session.tool_calls(plain.token_ids)
@@ -130,6 +156,26 @@ def test_with_tools_a_streamed_answer_sends_its_content_as_it_comes(server):
     assert len(content) > 2  # round by round, not at the end
     if whole.finish_reason != "tool_calls":  # the tiny model wrote text, no call
         assert "".join(content) == whole.message.content
+
+
+def test_llama_form_round_trip_through_the_client(llama_bundle):
+    batch = BatchSession(llama_bundle, batch=2)
+    try:
+        with Server(batch) as server:
+            client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused")
+            out = client.chat.completions.create(model="tiny", messages=ASK, tools=[WEATHER, TIME],
+                                                 tool_choice={"type": "function", "function": {"name": "get_time"}},
+                                                 max_tokens=200, temperature=0)
+            call = out.choices[0].message.tool_calls[0]
+            assert out.choices[0].finish_reason == "tool_calls" and call.function.name == "get_time"
+            assert set(json.loads(call.function.arguments)) == {"zone"} and out.choices[0].message.content is None
+            follow = ASK + [{"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+                            {"role": "tool", "tool_call_id": call.id, "content": "12:00"}]
+            again = client.chat.completions.create(model="tiny", messages=follow, max_tokens=8, temperature=0)
+            assert again.choices[0].message.content == Session(llama_bundle).generate(messages=follow,
+                                                                                       max_new_tokens=8).text
+    finally:
+        batch.close()
 
 
 @pytest.mark.parametrize("body, param, fragment", [

@@ -18,7 +18,7 @@ from specdeploy.runtime.backends import BackendChoice, Device, make_engine
 from specdeploy.runtime.backends.ort import settle_thread_pool, thread_pool_choice
 from specdeploy.runtime.decoding.accept import Judge, TokenLogprob
 from specdeploy.runtime.decoding.grammar import Grammars
-from specdeploy.runtime.decoding.tools import CLOSE, HERMES, OPEN, ToolCall, call_grammar, parse_calls, tool_format
+from specdeploy.runtime.decoding.tools import CLOSE, OPEN, ToolCall, call_grammar, parse_calls, tool_format
 from specdeploy.runtime.decoding.drafters import drafter_class, make_drafter
 from specdeploy.runtime.decoding.loop import DecodeSettings, PromptCache, decode
 from specdeploy.runtime.decoding.policy import DraftLength, TreeSize
@@ -239,8 +239,9 @@ class Prompts:
             if req.structure is not None:
                 raise RequestError(f"{labels.get('tool_choice', 'tool_choice')} {req.tool_choice!r} writes a tool "
                                    "call: it cannot be given with a structure", "tool_choice")
-            special = OPEN in self.tokenizer.special_tokens.values()
-            req = replace(req, structure=Structure("grammar", call_grammar(req.tools, req.tool_choice, special)))
+            specials = set(self.tokenizer.special_tokens.values())
+            req = replace(req, structure=Structure("grammar", call_grammar(req.tools, req.tool_choice, self.tool_form,
+                                                                           specials)))
         if req.structure is not None:
             req = replace(req, grammar=self.grammars.compile(req.structure, labels.get("structure", "structure")))
         return replace(req, prepared=True)
@@ -257,12 +258,12 @@ class Prompts:
         label = labels.get("tools", "tools")
         if req.prompt_ids is not None or (req.prompt is not None and not req.chat):
             raise RequestError(f"{label} need a chat (messages, or a prompt through the chat template)", "tools")
-        form = tool_format(self.tokenizer.chat_template)
+        form = self.tool_form
         if form is None:
             raise RequestError(f"{label}: this bundle's chat template has no tool format", "tools")
-        if form != HERMES:
+        if not form:
             raise RequestError(f"{label}: this bundle's chat template writes tool calls in a form not read here "
-                               f"(the Hermes form is: {OPEN} JSON {CLOSE})", "tools")
+                               f"(read: Hermes' {OPEN} JSON {CLOSE}, Llama 3's JSON with \"parameters\")", "tools")
         tools = [json.loads(t) for t in req.tools]
         for i, tool in enumerate(tools):
             text = req.tools[i]
@@ -284,8 +285,13 @@ class Prompts:
 
     def tool_calls(self, token_ids) -> tuple[str, list[ToolCall]]:
         """An answer's tool calls: -> (the content outside the calls, the calls)."""
-        content, calls = parse_calls(self.tool_text(token_ids))
+        content, calls = parse_calls(self.tool_text(token_ids), self.tool_form or "")
         return content.strip() if calls else content, calls
+
+    @functools.cached_property
+    def tool_form(self) -> str | None:
+        """The chat template's tool format (tools.tool_format)."""
+        return tool_format(self.tokenizer.chat_template)
 
     @functools.cached_property
     def grammars(self) -> Grammars:

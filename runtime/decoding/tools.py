@@ -2,10 +2,12 @@
 family's tool format), the calls the model writes parsed back, and `tool_choice` "required" or
 a named function enforced by a grammar.
 
-The format is read from the template, never guessed from the text. One family is read today:
-the Hermes form (Qwen 2.5/3, SmolLM3, Hermes, and many fine-tunes), each call a JSON object
-`{"name": ..., "arguments": {...}}` between `<tool_call>` and `</tool_call>`. A template that
-takes tools in another form, or none, gets a one-line refusal naming the field.
+The format is read from the template, never guessed from the text (`tool_format`). Two
+families are read: the Hermes form (Qwen 2.5/3, SmolLM3, Hermes, and many fine-tunes), each call
+a JSON object `{"name": ..., "arguments": {...}}` between `<tool_call>` and `</tool_call>`; and
+Llama 3.1-3.3's JSON form, the whole answer one object `{"name": ..., "parameters": {...}}`
+(after `<|python_tag|>` where the model writes it). A template that takes tools in another form
+(Mistral's `[TOOL_CALLS]`, gpt-oss's harmony), or none, gets a one-line refusal naming the field.
 """
 from __future__ import annotations
 
@@ -13,8 +15,10 @@ import json
 import re
 from typing import NamedTuple
 
-HERMES = "hermes"
+HERMES, LLAMA = "hermes", "llama"
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
+PYTHON_TAG = "<|python_tag|>"
+LLAMA_MARK = '"parameters": dictionary of argument name'  # Llama 3.1-3.3 templates ask for calls so
 NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 CALL = re.compile(re.escape(OPEN) + r"\s*(.*?)\s*" + re.escape(CLOSE), re.S)
 
@@ -64,55 +68,85 @@ def check_tool_choice(value) -> str:
 
 
 def tool_format(template: str | None) -> str | None:
-    """The template's tool format: HERMES, None where it takes no tools, "" where it takes them in
-    a form not read here."""
+    """The template's tool format: HERMES or LLAMA, None where it takes no tools, "" where it
+    takes them in a form not read here."""
     if not template or "tools" not in template:
         return None
-    return HERMES if OPEN in template else ""
+    if OPEN in template:
+        return HERMES
+    return LLAMA if LLAMA_MARK in template else ""
 
 
-def call_grammar(tools: tuple[str, ...], choice: str, special: bool) -> str:
+def call_grammar(tools: tuple[str, ...], choice: str, form: str, specials) -> str:
     """A Lark grammar (llguidance's, with %json) for one call the choice allows: any tool's
-    ("required") or the named one's, arguments by its parameters' schema, on one line. `special`: the markers
-    are special tokens of the tokenizer (written <tool_call>), else text."""
+    ("required") or the named one's, arguments by its parameters' schema, on one line, in the
+    template's `form`. `specials`: the tokenizer's special-token strings (a marker that is one is
+    written <tool_call>, else as text)."""
+    key = "arguments" if form == HERMES else "parameters"
     options = []
     for text in tools:
         fn = json.loads(text)["function"]
         if choice in ("required", fn["name"]):
-            options.append({"type": "object", "properties": {"name": {"const": fn["name"]},
-                                                             "arguments": fn["parameters"]},
-                            "required": ["name", "arguments"], "additionalProperties": False})
+            options.append({"type": "object", "properties": {"name": {"const": fn["name"]}, key: fn["parameters"]},
+                            "required": ["name", key], "additionalProperties": False})
     schema = dict(options[0]) if len(options) == 1 else {"anyOf": options}
     # written as the template shows calls: one line, ", " and ": " (the keys and separators are then
     # forced, drafted for free); free whitespace lets a model pad a call it cannot finish
     schema["x-guidance"] = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
-    open_, close = (OPEN, CLOSE) if special else (json.dumps(OPEN), json.dumps(CLOSE))
-    return f'start: {open_} "\\n" call "\\n" {close}\ncall: %json {json.dumps(schema)}\n'
+    call = f"call: %json {json.dumps(schema)}\n"
+    if form == LLAMA:
+        return "start: call\n" + call
+    open_, close = (OPEN, CLOSE) if OPEN in specials else (json.dumps(OPEN), json.dumps(CLOSE))
+    return f'start: {open_} "\\n" call "\\n" {close}\n' + call
 
 
-def parse_calls(text: str) -> tuple[str, list[ToolCall]]:
+def _call(obj) -> ToolCall | None:
+    if not (isinstance(obj, dict) and isinstance(obj.get("name"), str)):
+        return None
+    arguments = obj.get("arguments", obj.get("parameters", {}))
+    return ToolCall(obj["name"], arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False))
+
+
+def parse_calls(text: str, form: str = HERMES) -> tuple[str, list[ToolCall]]:
     """The model's answer (special tokens kept) -> (its content outside the calls, as written,
-    the calls). A block whose JSON does not read as {"name", "arguments"} stays content."""
+    the calls). Hermes: a block whose JSON does not read as {"name", "arguments"} stays content.
+    Llama: the whole answer is a call or is content."""
+    if form == LLAMA:
+        body = text.strip()
+        body = body[len(PYTHON_TAG):] if body.startswith(PYTHON_TAG) else body
+        try:
+            obj = json.loads(body)
+        except ValueError:
+            return text, []
+        calls = [_call(o) for o in (obj if isinstance(obj, list) else [obj])]
+        return ("", calls) if calls and None not in calls else (text, [])
     calls, kept, pos = [], [], 0
     for m in CALL.finditer(text):
         try:
-            call = json.loads(m.group(1))
+            call = _call(json.loads(m.group(1)))
         except ValueError:
             continue
-        if not (isinstance(call, dict) and isinstance(call.get("name"), str)):
+        if call is None:
             continue
-        arguments = call.get("arguments", call.get("parameters", {}))
-        calls.append(ToolCall(call["name"], arguments if isinstance(arguments, str) else
-                              json.dumps(arguments, ensure_ascii=False)))
+        calls.append(call)
         kept.append(text[pos:m.start()])
         pos = m.end()
     kept.append(text[pos:])
     return "".join(kept) if calls else text, calls
 
 
-def content_before_calls(text: str) -> int:
+def content_before_calls(text: str, form: str = HERMES) -> int:
     """How much of a growing answer is content for certain: up to its first call's marker, less
-    an end that may be the marker's beginning or an incomplete character."""
+    an end that may be the marker's beginning or an incomplete character. Llama: nothing while
+    the answer may still be a call (it begins with "{" or the python tag, or has not begun)."""
+    if form == LLAMA:
+        head = text.lstrip()
+        if not head or head.startswith("{") or head.startswith(PYTHON_TAG) or PYTHON_TAG.startswith(head):
+            return 0
+        end = len(text)
+        while end and text[end - 1] == "\ufffd":
+            end -= 1
+        return end
     at = text.find(OPEN)
     if at >= 0:
         return at

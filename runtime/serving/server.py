@@ -666,7 +666,7 @@ class _Run:
                         c.logprobs += piece.logprobs or []
                         if self.stream:  # with tools: the content before any call streams as it comes
                             raw = self.pool.session.tool_text(c.token_ids)
-                            upto = content_before_calls(raw)
+                            upto = content_before_calls(raw, self.pool.session.tool_form)
                             if upto > c.sent:
                                 await send(event({**self.base, "object": kind, "choices": [
                                     {"index": c.index, "delta": {"content": raw[c.sent:upto]}, "finish_reason": None}]}))
@@ -736,7 +736,7 @@ class _Run:
         c.text, c.finish = "".join(c.texts), FINISH[c.gen.stats.finish_reason]
         if self.tools:
             raw = self.pool.session.tool_text(c.token_ids)
-            content, calls = parse_calls(raw)
+            content, calls = parse_calls(raw, self.pool.session.tool_form)
             c.rest = (content if calls else raw)[c.sent:]
             if calls:
                 c.text, c.finish = content.strip(), "tool_calls"
