@@ -110,6 +110,24 @@ def test_drafts_the_grammar_forbids_are_cut_and_forced_tokens_come_free(bundles)
     assert any(n < given for given, n in judge_cuts)  # some drafts were cut
 
 
+def test_forced_tokens_and_the_lookup_after_them_stay_within_the_room_left(bundles):
+    """A forced literal longer than the tokens left, with an n-gram lookup after it: the round's
+    drafts never pass the request's last token (they once did, and the verify pass wrote past
+    the KV buffer)."""
+    session = Session(bundles("llama-ngram"))
+    literal = {"grammar": 'start: "' + "abc " * 60 + '"'}
+    ids = session.encode("abc abc abc abc abc abc abc abc")
+    room = session.bundle.max_seq - len(ids)
+    for k in (4, "auto"):
+        out = session.generate(prompt_ids=ids, max_new_tokens=room, draft_len=k, structure=literal)
+        assert len(out.token_ids) == room and out.stats.forced > 0
+    batch = BatchSession(bundles("llama-ngram"), batch=2)
+    try:
+        assert len(batch.generate(prompt_ids=ids, max_new_tokens=room, draft_len=4, structure=literal).token_ids) == room
+    finally:
+        batch.close()
+
+
 @pytest.mark.parametrize("structure, fragment", [
     ({"json": {"type": "foo"}}, "does not compile"),
     ({"regex": "[0-9]+("}, "does not compile"),

@@ -47,7 +47,7 @@ from specdeploy.runtime.decoding.batch_draft import BatchDraft, BatchHeads
 from specdeploy.runtime.decoding.drafters import Proposal, drafter_class, make_drafter
 from specdeploy.runtime.decoding.drafters.model import static_cost_ratio
 from specdeploy.runtime.decoding.engine import Checked
-from specdeploy.runtime.decoding.loop import check_finite, grammar_draft, look_up
+from specdeploy.runtime.decoding.loop import chain_draft, check_finite, look_up
 from specdeploy.runtime.decoding.policy import DraftLength, PassCost, Probes, TreeSize
 from specdeploy.runtime.decoding.request import Request
 from specdeploy.runtime.decoding.sampling import SamplingParams
@@ -699,11 +699,8 @@ class BatchSession(Prompts):
         if lane.sizes is None:  # a pinned k, as Session's chain round
             k = min(lane.fixed, most)
             forced = lane.judge.forced(most)
-            if forced.shape[0]:
-                lane.tokens, lane.forced = grammar_draft(lane.drafter, ids, forced, k, lane.judge).tokens, forced.shape[0]
-            else:
-                lane.tokens = lane.drafter.propose(ids, k, lane.params, lane.rng).tokens if k > 0 else EMPTY
-                lane.tokens = lane.judge.admissible(lane.tokens, None)
+            lane.tokens = chain_draft(lane.drafter, ids, k, most, forced, lane.judge).tokens
+            lane.forced = forced.shape[0]
             return lane.tokens.shape[0]
         if lane.greedy_auto and not look:
             return 0

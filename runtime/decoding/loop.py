@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -162,21 +162,18 @@ def speculative_round(
     """One round: draft up to k, verify k'+1 in one target pass, accept, correct or bonus.
     Returns the tokens it commits (1..k'+1) and its record. With k = 0 (or no drafter) it is
     one plain decoding step. Under a grammar, a speculating round proposes the tokens it forces
-    (up to `most`) and cuts its drafts where the grammar leaves them (`grammar_draft`)."""
+    and cuts its drafts where the grammar leaves them, never more than `most` (`chain_draft`)."""
     chosen, params, rng = k if drafter is not None else None, judge.params, judge.rng
-    forced, checked = judge.forced(most) if drafter is not None else EMPTY, None
-    if forced.shape[0]:  # the grammar drafts this round
-        proposal, chosen = grammar_draft(drafter, ids, forced, k, judge), None
-    elif params.greedy and (drafter is None or k == 0) and not judge.needs_rows:
+    forced = judge.forced(most) if drafter is not None else EMPTY
+    free = not forced.shape[0]  # a forced round: the grammar drafts (`chain_draft`)
+    if free and params.greedy and (drafter is None or k == 0) and not judge.needs_rows:
         token, verify_seconds = plain_step(target, ids)
         return np.array([token], dtype=np.int64), Round(0, 0, verify_seconds, chosen=chosen)
-    elif drafter is not None and k > 0 and drafter.fused_with(target) and not judge.needs_rows:
+    if free and drafter is not None and k > 0 and drafter.fused_with(target) and not judge.needs_rows:
         proposal, checked = drafter.propose_and_verify(target, ids, k, params, rng)  # on the device, one host sync
     else:
-        drafting = drafter is not None and k > 0
-        proposal = drafter.propose(ids, k, params, rng, min_confidence) if drafting else Proposal.nothing()
-        proposal = judge.cut(proposal)
-    if checked is None:
+        proposal = chain_draft(drafter, ids, k, most, forced, judge, min_confidence)
+        chosen = chosen if free else None
         checked = verify(target, ids, proposal, params)
     n_accepted, next_token = judge.chain(ids, checked)
     record = Round(checked.draft_tokens.shape[0], n_accepted, checked.verify_seconds, proposal.seconds,
@@ -184,14 +181,21 @@ def speculative_round(
     return np.append(checked.draft_tokens[:n_accepted], next_token), record
 
 
-def grammar_draft(drafter: Drafter, ids: np.ndarray, forced: np.ndarray, k: int, judge: Judge) -> Proposal:
-    """A round's drafts where the grammar forces `forced`: those, then (for a model-free drafter,
-    whose lookup can start after them at no cost) up to k of its own from there, cut before the
-    first the grammar forbids. A model draft proposes nothing this round: its next one catches up."""
+def chain_draft(drafter: Drafter | None, ids: np.ndarray, k: int, most: int, forced: np.ndarray, judge: Judge,
+                min_confidence: float = 0.0) -> Proposal:
+    """A chain round's drafts (Session's rounds, a batch's lookups and pinned lanes): up to k of
+    the drafter's, cut before the first the grammar forbids; or, where the grammar forces
+    `forced`, those, then (for a model-free drafter, whose lookup can start after them at no
+    cost) up to k of its own from there, never more than `most` in all. A model draft proposes
+    nothing in a forced round: its next one catches up."""
+    if not forced.shape[0]:
+        if drafter is None or k <= 0:
+            return Proposal.nothing()
+        return judge.cut(drafter.propose(ids, k, judge.params, judge.rng, min_confidence))
     t0 = time.perf_counter()
-    tokens = forced
-    if drafter.engine is None and k > 0:
-        more = drafter.propose(np.concatenate([ids, forced]), k, judge.params, judge.rng).tokens
+    tokens, extra = forced, min(k, most - forced.shape[0])
+    if drafter.engine is None and extra > 0:
+        more = drafter.propose(np.concatenate([ids, forced]), extra, judge.params, judge.rng).tokens
         tokens = np.concatenate([forced, judge.admissible(more, None, after=forced)])
     return Proposal(tokens, seconds=time.perf_counter() - t0)
 
@@ -271,11 +275,7 @@ def look_up(drafter, ids: np.ndarray, sizes: TreeSize, max_depth: int, max_seq: 
     if sizes.chains:
         most = min(room, max_depth)
         forced = judge.forced(most)
-        if forced.shape[0]:
-            proposal = grammar_draft(drafter, ids, forced, most - forced.shape[0], judge)
-        else:
-            proposal = drafter.propose(ids, most, judge.params, judge.rng)
-            proposal = replace(proposal, tokens=judge.admissible(proposal.tokens, None))
+        proposal = chain_draft(drafter, ids, most, most, forced, judge)
         return DraftTree.chain(proposal.tokens), proposal.seconds, forced.shape[0]
     t0 = time.perf_counter()
     tree = drafter.propose_tree(ids, room, max_depth)
