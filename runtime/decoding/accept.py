@@ -62,19 +62,12 @@ class Judge:
         """A chain round's verdict (`accept_chain`) on rows that follow the committed `ids`:
         each row penalized, then masked by the grammar, under the tokens before it."""
         raw, drafts = checked.target_logits, checked.draft_tokens
-        logits = raw
-        if self.params.penalized:
-            logits = penalize(raw, self.params, ids, self.prompt_len, [drafts[:i] for i in range(drafts.shape[0] + 1)])
-        if self.constraint is not None:
-            logits = mask_rows(logits, self.constraint.masks(drafts))
+        logits = self._rows(raw, ids, lambda: [drafts[:i] for i in range(drafts.shape[0] + 1)], drafts)
         if logits is not raw:
             checked = replace(checked, target_logits=logits,
                               target_tokens=logits.argmax(axis=-1) if self.params.greedy else None)
         n, token = accept_chain(checked, self.params, self.rng)
-        committed = drafts[:n].tolist() + [token]
-        if self.constraint is not None:
-            self.constraint.commit(committed)
-        self._keep(raw, list(range(n + 1)), committed)
+        self._commit(raw, list(range(n + 1)), drafts[:n].tolist() + [token])
         return n, token
 
     def admissible(self, tokens: np.ndarray, probs: np.ndarray | None, after: np.ndarray = EMPTY) -> np.ndarray:
@@ -102,26 +95,33 @@ class Judge:
 
     def tree(self, ids: np.ndarray, tree: DraftTree, logits: np.ndarray, tokens: np.ndarray | None) -> tuple[list[int], int]:
         """A tree round's verdict (`accept_path`) on rows [N+1] (row 0 the root's) after `ids`."""
+        assert self.constraint is None or tree.is_chain(), "a grammar's masks follow chains (session.chain_nodes)"
         raw = logits
-        if self.params.penalized:
-            logits = penalize(raw, self.params, ids, self.prompt_len, [EMPTY] + [tree.tokens[path_to(tree, j)]
-                                                                                for j in range(tree.size)])
-        if self.constraint is not None:  # a chain (session.chain_nodes): its rows are a chain round's
-            assert tree.is_chain(), "a grammar's masks follow chains"
-            logits = mask_rows(logits, self.constraint.masks(tree.tokens))
+        logits = self._rows(raw, ids, lambda: [EMPTY] + [tree.tokens[path_to(tree, j)] for j in range(tree.size)],
+                            tree.tokens)
         if logits is not raw:
             tokens = logits.argmax(axis=-1) if self.params.greedy else None
         path, token = accept_path(tree, logits, tokens, self.params, self.rng)
-        committed = tree.tokens[path].tolist() + [token]
-        if self.constraint is not None:
-            self.constraint.commit(committed)
-        self._keep(raw, [0] + [j + 1 for j in path], committed)
+        self._commit(raw, [0] + [j + 1 for j in path], tree.tokens[path].tolist() + [token])
         return path, token
 
-    def _keep(self, logits: np.ndarray, rows: list[int], tokens: list[int]) -> None:
-        if self.logprobs is None:
-            return
-        self._round = [token_logprob(logits[r], t, self.logprobs) for r, t in zip(rows, tokens)]
+    def _rows(self, raw: np.ndarray, ids: np.ndarray, before, chain: np.ndarray) -> np.ndarray:
+        """The rows as the acceptance rule reads them: penalized under the tokens before each
+        (`before()`: per row, the drafts on its path), then masked by the grammar along `chain`
+        (the drafts, in order). `raw` itself where neither applies."""
+        logits = raw
+        if self.params.penalized:
+            logits = penalize(raw, self.params, ids, self.prompt_len, before())
+        if self.constraint is not None:
+            logits = mask_rows(logits, self.constraint.masks(chain))
+        return logits
+
+    def _commit(self, raw: np.ndarray, rows: list[int], tokens: list[int]) -> None:
+        """The round's committed tokens into the grammar's state, and their logprobs from `rows`."""
+        if self.constraint is not None:
+            self.constraint.commit(tokens)
+        if self.logprobs is not None:
+            self._round = [token_logprob(raw[r], t, self.logprobs) for r, t in zip(rows, tokens)]
 
     def take(self, m: int) -> list[TokenLogprob] | None:
         """The last round's first m committed tokens' log probabilities (the round may commit
