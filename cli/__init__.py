@@ -126,8 +126,11 @@ def _share_threads(threads: int | None) -> None:
               help="Draft graph.  [default: fused for an int8/int4 draft, else --attention]")
 @click.option("--draft-quant-scheme", type=click.Choice(QUANT_SCHEMES), default=None,
               help="int8/int4 draft.  [default: exact]")
+@click.option("--cache", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="A folder that keeps each exported graph: a later export of the same source with the same "
+                   "choices (another --draft for one target) reuses it instead of exporting it again.")
 def export_cmd(target, draft, out, max_seq, max_draft, max_batch, device, dtype, draft_dtype, kv_dtype, prefill_chunk,
-               attention, quant_scheme, draft_attention, draft_quant_scheme):
+               attention, quant_scheme, draft_attention, draft_quant_scheme, cache):
     """Export TARGET (and its draft) into an ONNX bundle with in-place KV buffers."""
     from specdeploy.export import build_bundle, embedded_default
 
@@ -136,7 +139,7 @@ def export_cmd(target, draft, out, max_seq, max_draft, max_batch, device, dtype,
     build_bundle(
         target, draft, out, max_seq, max_draft, dtype, prefill_chunk, log=lambda m: click.echo(m, err=True),
         draft_dtype=draft_dtype, attention=attention, quant_scheme=quant_scheme, draft_attention=draft_attention,
-        draft_quant_scheme=draft_quant_scheme, device=device, max_batch=max_batch, kv_dtype=kv_dtype,
+        draft_quant_scheme=draft_quant_scheme, device=device, max_batch=max_batch, kv_dtype=kv_dtype, cache=cache,
     )
 
 

@@ -70,6 +70,18 @@ class Architecture:
     # Without them a quantized (int8/int4) graph keeps the standard RoPE and norms around its
     # MatMulNBits projections, and --attention fused is refused.
     contrib_ops: bool = True
+    # A config list with one entry per layer, 1 where the layer rotates q and k and 0 where it
+    # attends without positions (SmolLM3's no_rope_layers); None: every layer rotates.
+    rope_layers_field: str | None = None
+    # A config flag that turns layer_types' sliding layers on (SmolLM3's use_sliding_window:
+    # false, every layer attends in full); None: layer_types alone decides.
+    window_flag: str | None = None
+    # A learned logit per head joins each softmax's denominator and is dropped after it
+    # (gpt-oss's attention sinks, self_attn.sinks): attention may give less than 1 to the context.
+    sinks: bool = False
+    # A mixture of experts in place of the MLP (gpt-oss: mlp.router picks num_experts_per_tok of
+    # num_local_experts, mlp.experts their clamped SwiGLU): export/experts.py.
+    experts: bool = False
     refusals: tuple[Refusal, ...] = field(default_factory=tuple)
 
     def rope_parameters(self, cfg) -> dict[str, dict]:
@@ -82,13 +94,24 @@ class Architecture:
     def layer_windows(self, cfg) -> list[int | None]:
         """Each layer's sliding window that the graph applies itself (None: full attention, or a
         window the runtime's mask carries)."""
-        if self.window != "layer_types":
+        if self.window != "layer_types" or (self.window_flag and not getattr(cfg, self.window_flag, False)):
             return [None] * cfg.num_hidden_layers
         return [cfg.sliding_window if kind == SLIDING else None for kind in cfg.layer_types]
 
     def runtime_window(self, cfg) -> int | None:
         """The window every layer attends through, carried by the runtime's mask (None: none)."""
         return getattr(cfg, "sliding_window", None) if self.window == "all" else None
+
+    def rope_layers(self, cfg) -> list[bool]:
+        """Whether each layer rotates its q and k (False: a layer without positions)."""
+        if self.rope_layers_field is None:
+            return [True] * cfg.num_hidden_layers
+        return [bool(flag) for flag in getattr(cfg, self.rope_layers_field)]
+
+    def fused(self, cfg) -> bool:
+        """Whether ONNX Runtime's fused attention graph (GroupQueryAttention, which rotates every
+        layer's q and k and has no sink input in the version we write) reproduces this model."""
+        return self.contrib_ops and not self.sinks and all(self.rope_layers(cfg))
 
     def scaling(self, cfg, head_dim: int) -> float:
         return float(getattr(cfg, self.query_scale_field) if self.query_scale_field else head_dim) ** -0.5
@@ -124,6 +147,9 @@ GEMMA = dict(
 
 ARCHITECTURES: dict[str, Architecture] = {a.model_type: a for a in (
     Architecture("llama", "Llama", **LLAMA_LIKE),
+    Architecture("smollm3", "SmolLM3", rope_layers_field="no_rope_layers", window="layer_types",
+                 window_flag="use_sliding_window"),
+    Architecture("gpt_oss", "gpt-oss", window="layer_types", sinks=True, experts=True, fp16=False),
     Architecture("qwen2", "Qwen2", refusals=(Refusal("use_sliding_window", _no_sliding),)),
     Architecture("mistral", "Mistral", window="all"),
     Architecture("qwen3", "Qwen3", qk_norm=True, contrib_ops=False,
@@ -148,6 +174,11 @@ def check_config(cfg) -> Architecture:
     """The entry for `cfg`, or a one-line ExportError naming the first config field whose value
     the graph would not reproduce (never a silently different model)."""
     arch = architecture(cfg)
+    quantized = getattr(cfg, "quantization_config", None)
+    if quantized:
+        method = quantized.get("quant_method") if isinstance(quantized, dict) else getattr(quantized, "quant_method", None)
+        raise ExportError(f"{arch.family}: config quantization_config: weights quantized by {str(method)!r} are not "
+                          "read; export the float (bf16/fp32) checkpoint, or a GGUF file")
     for refusal in arch.refusals:
         why = refusal.refuses(getattr(cfg, refusal.field, None))
         if why:
@@ -158,6 +189,11 @@ def check_config(cfg) -> Architecture:
         if kind not in ROPE_TYPES:
             raise ExportError(f"{arch.family}: config {where}: rope_type {kind!r} is not implemented "
                               f"(implemented: {', '.join(ROPE_TYPES)})")
+    if arch.rope_layers_field:
+        flags = list(getattr(cfg, arch.rope_layers_field) or [])
+        if len(flags) != cfg.num_hidden_layers or set(flags) - {0, 1}:
+            raise ExportError(f"{arch.family}: config {arch.rope_layers_field}: {flags}: one 0 or 1 per layer expected "
+                              f"({cfg.num_hidden_layers} layers)")
     why = _partial_rotary(cfg)
     if why:
         raise ExportError(f"{arch.family}: config rope_parameters: {why}")
@@ -176,9 +212,11 @@ def check_export(cfg, dtype: str, attention: str, what: str) -> None:
     if dtype == "fp16" and not arch.fp16:
         raise ExportError(f"{what}: --dtype fp16: {arch.family}'s activations overflow float16 (its reference "
                           "runs in bfloat16 or float32); use fp32")
-    if not arch.contrib_ops and attention == "fused":
+    if not arch.fused(cfg) and attention == "fused":
+        why = "its layers without positions" if arch.contrib_ops and not arch.sinks else \
+            "its attention sinks" if arch.contrib_ops else f"{arch.family}"
         raise ExportError(f"{what}: --attention fused: ONNX Runtime's fused attention graph is not implemented for "
-                          f"{arch.family}; use --attention exact")
+                          f"{why}; use --attention exact")
 
 
 __all__ = ["ARCHITECTURES", "Architecture", "LayerNorms", "ROPE_TYPES", "WINDOWS", "architecture", "check_config",

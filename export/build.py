@@ -28,6 +28,8 @@ from specdeploy.core.choices import DEVICE_DTYPE, DEVICES, DTYPES, KV_CHOICES, K
 from specdeploy.core.manifest import ATTENTIONS, FORMAT, MANIFEST, MOST, Manifest, ModelSpec, TokenizerEntry, checksums, file_sizes, not_exact_line, write_manifest
 
 from .architectures import architecture, check_export
+from .experts import densify_experts
+from .graph_cache import GraphCache, cache_key
 from .drafts import parse_draft
 from .graph import SpecGraph, restrict_head
 from .load import Source, eos_token_ids, load_source, source_digest
@@ -295,7 +297,10 @@ def source_graph(source: Source, dtype: str, num_layers: int | None = None, quan
     entering these layers (a target with an EAGLE-3 head)."""
     record = None
     vocab = source.head_vocab
-    model = copy.deepcopy(source.model) if dtype in SCHEMES or vocab else source.model
+    experts = architecture(source.config).experts
+    model = copy.deepcopy(source.model) if dtype in SCHEMES or vocab or experts else source.model
+    if experts:
+        densify_experts(model)
     if vocab:
         restrict_head(model, vocab)
     if dtype in SCHEMES:
@@ -417,6 +422,7 @@ def build_bundle(
     device: str = "cpu",
     max_batch: int = 8,
     kv_dtype: str | None = None,
+    cache: str | Path | None = None,
 ) -> Manifest:
     """Export a target (and its draft) into the bundle folder `out`; returns the manifest.
     `dtype`, `attention` and `quant_scheme` are the target's; the draft model's default to
@@ -428,7 +434,8 @@ def build_bundle(
     against TensorRT's parser before the bundle is written. `kv_dtype` (KV_CHOICES) is the
     target's KV buffers: fp16 halves what a long context reads and holds for a target whose
     activations are float32 (check_kv_dtype); None: CPU_INT_KV for an int8/int4 target --for
-    cpu with exact attention, else the dtype's own."""
+    cpu with exact attention, else the dtype's own. `cache`: a folder where each exported graph is
+    kept, and from which a graph with the same source and choices is reused (export/graph_cache.py)."""
     out = Path(out)
     if device not in DEVICES:
         raise ExportError(f"--for {device!r}: expected one of {', '.join(DEVICES)}")
@@ -481,6 +488,7 @@ def build_bundle(
     if kv_dtype is None and device == "cpu" and dtype in SCHEMES and attention == "exact":
         kv_dtype = CPU_INT_KV
     recipe.prepare(target_source, log)
+    graphs = GraphCache(cache, log) if cache is not None else None
     with atomic_folder(out, log) as work:
         common = dict(work=work, max_seq=max_seq, max_draft=max_draft, prefill_chunk=prefill_chunk, log=log)
         batched = dict(max_batch=max_batch)
@@ -504,15 +512,27 @@ def build_bundle(
                                       f"through a sliding window of {window}, which the fused graph does not take; use exact")
                 model_attention = "exact"
             told = (draft_attention if role == "draft" else attention) == "fused"
-            if model_attention == "fused" and not told and not architecture(source.config).contrib_ops:
+            if model_attention == "fused" and not told and not architecture(source.config).fused(source.config):
                 model_attention = "exact"  # a draft's default, where the family has no fused graph
             check_export(source.config, model_dtype, model_attention, str(source.path))
             check_layer_windows(source.config, max_seq, max_draft, str(source.path))
-            graph = source_graph(source, model_dtype, num_layers, scheme, "none" if device == "tensorrt" else None,
-                                 getattr(recipe, "aux_layers", None) if role == "target" else None)
-            return _export_model(graph, source, role=role, dtype=model_dtype, attention=model_attention,
-                                 full_model=full_model, device=device, **common, **batched,
-                                 kv_dtype=KV_CHOICES[kv_dtype] if kv_dtype and role == "target" else None)
+            aux = getattr(recipe, "aux_layers", None) if role == "target" else None
+            model_kv = KV_CHOICES[kv_dtype] if kv_dtype and role == "target" else None
+            key = None
+            if graphs is not None:
+                key = cache_key(source_digest(source.path), role=role, dtype=model_dtype, num_layers=num_layers,
+                                attention=model_attention, quant_scheme=scheme, device=device, aux_layers=aux,
+                                kv_dtype=model_kv, full_model=full_model, max_seq=max_seq, max_draft=max_draft,
+                                prefill_chunk=prefill_chunk, max_batch=max_batch)
+                spec = graphs.get(key, work, source.path)
+                if spec is not None:
+                    return spec
+            graph = source_graph(source, model_dtype, num_layers, scheme, "none" if device == "tensorrt" else None, aux)
+            spec = _export_model(graph, source, role=role, dtype=model_dtype, attention=model_attention,
+                                 full_model=full_model, device=device, **common, **batched, kv_dtype=model_kv)
+            if graphs is not None:
+                graphs.put(key, work, spec)
+            return spec
 
         models = {"target": export_model(target_source, dtype, role="target")}
         draft_model = recipe.export(target_source, draft_dtype, export_model)

@@ -169,6 +169,7 @@ class SpecGraph(nn.Module):
         self.scaling = arch.scaling(cfg, self.head_dim)
         self.attn_softcap, self.final_softcap = arch.softcaps(cfg)
         self.windows = arch.layer_windows(cfg)[:n]  # windows the graph applies itself, per layer
+        self.rotates = arch.rope_layers(cfg)[:n]  # False: a layer that attends without positions
         self.embed_scale = cfg.hidden_size**0.5 if arch.embed_scale else None
         # Widths of the packed projections' outputs: q | k | v and gate | up.
         self.qkv_widths = [self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim,
@@ -235,6 +236,8 @@ class SpecGraph(nn.Module):
         return self._rms(norm, h), h
 
     def _mlp(self, mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        if self.arch.experts:  # export/experts.py's DenseExperts, which reads its own packed form
+            return mlp(x)
         if self._packed(mlp, "gate_up_proj"):
             gate, up = _split(mlp.gate_up_proj(x), self.gate_up_widths)
             return mlp.down_proj(self.act(gate) * up)
@@ -259,17 +262,18 @@ class SpecGraph(nn.Module):
         if self.arch.qk_norm:  # over each head's D values, before RoPE
             q = self._rms(attn.q_norm, q.view(b, t, self.num_heads, d)).view(b, t, self.num_heads * d)
             k = self._rms(attn.k_norm, k.view(b, t, self.num_kv_heads, d)).view(b, t, self.num_kv_heads * d)
-        if self.contrib_ops:
+        rotates = self.rotates[layer]
+        if self.contrib_ops and rotates:
             q = rotary(q, position_ids, self.cos_cache.to(q.dtype), self.sin_cache.to(q.dtype), self.num_heads)
             k = rotary(k, position_ids, self.cos_cache.to(k.dtype), self.sin_cache.to(k.dtype), self.num_kv_heads)
         q = q.view(b, t, self.num_heads, d).transpose(1, 2)
         k = k.view(b, t, self.num_kv_heads, d).transpose(1, 2)
         v = v.view(b, t, self.num_kv_heads, d).transpose(1, 2)
-        if not self.contrib_ops:
+        if not self.contrib_ops and rotates:
             q = q * cos + _rotate_half(q) * sin
             k = k * cos + _rotate_half(k) * sin
         return attention_reference(q, k, v, key_cache, value_cache, write_indices, mask, self.scaling, write,
-                                   softcap=self.attn_softcap)
+                                   softcap=self.attn_softcap, sinks=attn.sinks if self.arch.sinks else None)
 
     def _rope(self, inv_freq: torch.Tensor, scale: float, position_ids: torch.Tensor, dtype: torch.dtype):
         """cos, sin [B, 1, T, D] at position_ids, as the source's rotary module computes them."""

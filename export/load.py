@@ -10,7 +10,7 @@ from typing import Any
 
 from specdeploy.core.errors import ExportError
 
-from .architectures import ARCHITECTURES, check_config
+from .architectures import ARCHITECTURES, architecture, check_config
 from .source_check import (check_folder, check_gguf, check_gguf_metadata, check_loading, check_numbers, check_values,
                            read_gguf)
 
@@ -100,6 +100,9 @@ def load_source(path: "str | Path | Source") -> Source:
         check_config(config)  # an architecture, or a config value, the graph would not reproduce
     except ExportError as e:
         raise ExportError(f"{path}: {e}") from None
+    if reader is not None and architecture(config).experts:
+        raise ExportError(f"{path}: {architecture(config).family} from a GGUF file is not implemented (its experts' "
+                          "blocks are not imported); export the Hugging Face folder")
     # The model is the file's or it is refused: numbers, then the tensors against what the config
     # implies, all before a weight is read (export/source_check.py).
     check_numbers(config, str(path))

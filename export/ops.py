@@ -154,11 +154,14 @@ def skip_rms_norm_onnx(x, skip, weight, eps):
 
 
 def attention_reference(q, k, v, key_cache, value_cache, write_indices, mask, scaling: float,
-                        write, softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                        write, softcap: float | None = None,
+                        sinks: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Grouped-query attention over the static KV buffers, q/k/v [B, heads, T, D] already
     rotated: write k/v at write_indices with `write`, attend to the first L slots under the
     additive mask [B, 1, 1, T, L]. The exact graph's attention, and the eager meaning of the
-    fused one. `softcap` (Gemma 2): scores -> softcap * tanh(scores / softcap) before the mask."""
+    fused one. `softcap` (Gemma 2): scores -> softcap * tanh(scores / softcap) before the mask.
+    `sinks` [heads] (gpt-oss): each head's logit joins the softmax as one more column, which is
+    dropped after it (its weight is what the head gives to no token)."""
     b, heads, t, d = q.shape
     kv_heads = k.shape[1]
     groups = heads // kv_heads
@@ -173,7 +176,14 @@ def attention_reference(q, k, v, key_cache, value_cache, write_indices, mask, sc
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
     scores = scores.view(b, kv_heads, groups, t, window) + mask
-    probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+    if sinks is None:
+        probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+    else:
+        sink = sinks.float().view(1, kv_heads, groups, 1, 1).expand(b, kv_heads, groups, t, 1)
+        # the sink first: each score keeps its column whatever the pass's L (a row's sum then
+        # adds in the same order in a verify pass as in a single step, where the masked columns
+        # past it add zeros; put last, it moved with L and the rows differed by an ulp)
+        probs = torch.softmax(torch.cat((sink, scores.float()), dim=-1), dim=-1)[..., 1:].to(q.dtype)
     out = torch.matmul(probs.view(b, kv_heads, groups * t, window), values)  # [B, Hkv, G*T, D]
     out = out.reshape(b, heads, t, d).transpose(1, 2).reshape(b, t, heads * d)
     return out, key_cache, value_cache

@@ -93,7 +93,8 @@ def bundles(models, shared):
             target, draft = BUNDLES[name]
             draft = str(models[draft]) if draft in models else draft
             built[name] = once(root, name, lambda out: build_bundle(
-                models[target], draft, out, max_seq=MAX_SEQ, max_draft=8, prefill_chunk=PREFILL_CHUNK))
+                models[target], draft, out, max_seq=MAX_SEQ, max_draft=8, prefill_chunk=PREFILL_CHUNK,
+                cache=shared / "graphs"))  # one target graph for every draft kind (test_graph_cache.py)
         return built[name]
 
     return get
@@ -135,7 +136,7 @@ def small_vocab(tmp_path_factory):
     tiny.make_model(root / "d", "llama", seed=12, layers=1, vocab_size=tiny.VOCAB, initializer_range=0.5)
     out = {}
     for name, draft in (("model", str(root / "d")), ("ngram", "ngram"), ("self-int8", "self:dtype=int8")):
-        build_bundle(root / "t", draft, root / name, max_seq=32, max_draft=4, prefill_chunk=8)
+        build_bundle(root / "t", draft, root / name, max_seq=32, max_draft=4, prefill_chunk=8, cache=root / "graphs")
         session = Session(root / name)
         session.eos_token_ids = []  # every sample has two tokens: the pairs are the whole outcome
         out[name] = session, tiny.prompt_with_a_fair_draft(session)

@@ -37,6 +37,8 @@ FAMILIES = {
     "phi3": ("phi3", dict(sliding_window=40)),  # packed q|k|v and gate|up, a window on every layer
     "gemma2": ("gemma2", dict()),  # tiny.FAMILY_DEFAULTS: head_dim 24, window 24, soft-caps 5 and 4
     "gemma3": ("gemma3_text", dict(rope_scaling={"rope_type": "linear", "factor": 2.0})),  # global rope scaled
+    "smollm3": ("smollm3", dict()),  # tiny.FAMILY_DEFAULTS: the middle layer without positions, sliding
+    "gpt_oss": ("gpt_oss", dict()),  # 2 of 4 experts a token, sinks, biases, yarn, sliding and full layers
 }
 
 
@@ -59,7 +61,8 @@ def family_bundles(family_models, tmp_path_factory):
         if key not in built:
             out = root / f"{name}-{draft.replace(':', '-').replace('=', '')}"
             spec = str(family_models[f"{name}-draft"]) if draft == "model" else draft
-            build_bundle(family_models[name], spec, out, max_seq=MAX_SEQ, max_draft=8, prefill_chunk=16)
+            build_bundle(family_models[name], spec, out, max_seq=MAX_SEQ, max_draft=8, prefill_chunk=16,
+                         cache=root / "graphs")  # each family's target exported once for its four drafts
             built[key] = out
         return built[key]
 
@@ -76,6 +79,11 @@ def test_the_tiny_models_have_the_shapes_meant(family_models):
     ropes = gemma3["rope_parameters"]
     assert ropes["sliding_attention"]["rope_theta"] != ropes["full_attention"]["rope_theta"]
     assert "sliding_attention" in gemma3["layer_types"] and "full_attention" in gemma3["layer_types"]
+    smollm3 = json.loads((family_models["smollm3"] / "config.json").read_text())
+    assert smollm3["no_rope_layers"] == [1, 0, 1] and smollm3["layer_types"][1] == "sliding_attention"
+    gpt_oss = json.loads((family_models["gpt_oss"] / "config.json").read_text())
+    assert gpt_oss["num_experts_per_tok"] < gpt_oss["num_local_experts"] and gpt_oss["attention_bias"]
+    assert gpt_oss["rope_parameters"]["rope_type"] == "yarn" and "full_attention" in gpt_oss["layer_types"]
 
 
 @pytest.mark.parametrize("name", list(FAMILIES))
@@ -214,6 +222,8 @@ def _refused(folder, *, dtype="fp32", draft="self:layers=1", max_draft=8, attent
     ("qwen3", dict(use_sliding_window=True, sliding_window=32, max_window_layers=1), "use_sliding_window"),
     ("gemma2", dict(use_bidirectional_attention=True), "use_bidirectional_attention"),
     ("gemma3_text", dict(use_bidirectional_attention=True), "use_bidirectional_attention"),
+    ("smollm3", dict(no_rope_layers=[1, 0, 1]), "no_rope_layers"),  # three flags for two layers
+    ("gpt_oss", dict(quantization_config={"quant_method": "mxfp4"}), "quantization_config"),
 ])
 def test_what_the_graph_does_not_reproduce_is_refused_naming_the_field(arch, overrides, field, tmp_path):
     tiny.make_model(tmp_path / "m", arch, layers=2, **overrides)
@@ -225,6 +235,26 @@ def test_gemma_fp16_fused_attention_and_short_windows_are_refused(tmp_path):
     assert "--dtype fp16" in _refused(tmp_path / "g", dtype="fp16")
     assert "--attention fused" in _refused(tmp_path / "g", draft="none", attention="fused")
     assert "sliding_window 24" in _refused(tmp_path / "g", max_draft=24)
+
+
+@pytest.mark.parametrize("arch, why", [("smollm3", "layers without positions"), ("gpt_oss", "attention sinks")])
+def test_fused_attention_is_refused_where_group_query_attention_cannot_reproduce_the_layers(arch, why, tmp_path):
+    tiny.make_model(tmp_path / "m", arch, layers=2)
+    message = _refused(tmp_path / "m", draft="none", attention="fused")
+    assert "--attention fused" in message and why in message
+    if arch == "gpt_oss":
+        assert "--dtype fp16" in _refused(tmp_path / "m", dtype="fp16")
+
+
+def test_smollm3_without_use_sliding_window_attends_in_full_on_every_layer(tmp_path):
+    """layer_types marks the layers without positions sliding only where use_sliding_window is on;
+    the config's flag, not the list, decides (as the source's attention does)."""
+    tiny.make_model(tmp_path / "m", "smollm3", layers=3, use_sliding_window=False)
+    source = load_source(tmp_path / "m")
+    graph = SpecGraph(source.model)
+    assert graph.windows == [None, None, None] and graph.rotates == [True, False, True]
+    with_window = tiny.make_model(tmp_path / "w", "smollm3", layers=3).config
+    assert ARCHITECTURES["smollm3"].layer_windows(with_window) == [None, 24, None]
 
 
 def test_an_unknown_architecture_is_one_line(tmp_path):

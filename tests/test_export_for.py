@@ -15,6 +15,7 @@ import pytest
 import tiny
 from specdeploy.core.errors import ExportError
 from specdeploy.export import build_bundle
+from specdeploy.export.architectures import ARCHITECTURES
 from specdeploy.export.blocks import pack, quantize_float
 from specdeploy.export.gguf_blocks import GGUF_TYPES
 from specdeploy.export.ops import ACCURACY_LEVEL
@@ -114,17 +115,18 @@ def test_an_int4_bundle_for_tensorrt_is_standard_onnx_and_lossless(llama, tmp_pa
 
 
 @pytest.mark.bundle
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral", "qwen3", "phi3", "gemma2", "gemma3_text"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral", "qwen3", "phi3", "gemma2", "gemma3_text", "smollm3",
+                                  "gpt_oss"])
 def test_every_family_exported_for_tensorrt_by_default_passes_check_trt(arch, tmp_path):
-    """--for tensorrt with no other choice: fp16 (fp32 for Gemma, whose activations overflow
-    fp16), a self-draft, and check-trt run by export itself (it raises on a refused node); the
+    """--for tensorrt with no other choice: fp16 (fp32 for Gemma and gpt-oss, whose activations
+    overflow fp16), a self-draft, and check-trt run by export itself (it raises on a refused node); the
     bundle decodes on ONNX Runtime's CPU provider, speculative == plain."""
     tiny.make_model(tmp_path / "m", arch, layers=2)
     lines: list[str] = []
     build_bundle(tmp_path / "m", "self:layers=1", tmp_path / "b", max_seq=64, dtype=None, device="tensorrt",
                  log=lines.append)
     manifest = json.loads((tmp_path / "b" / "manifest.json").read_text())
-    want = "fp32" if arch.startswith("gemma") else "fp16"
+    want = "fp16" if ARCHITECTURES[arch].fp16 else "fp32"
     assert {e["dtype"] for e in manifest["models"].values()} == {want}
     assert f"--for tensorrt: --dtype {want}" in lines and check_bundle(tmp_path / "b") == []
     session = Session(tmp_path / "b")

@@ -97,7 +97,8 @@ def make_model(folder: Path, arch: str = "llama", seed: int = 0, layers: int = 3
 # The families added after Llama / Qwen2 / Mistral: their config classes, and small defaults
 # where the family's own are large (Gemma's 256-wide heads) or its quirks should show at once
 # (a head_dim that is not hidden / heads, soft-capping on, windows shorter than a test's text).
-FAMILY_CONFIGS = {"qwen3": "Qwen3Config", "phi3": "Phi3Config", "gemma2": "Gemma2Config", "gemma3_text": "Gemma3TextConfig"}
+FAMILY_CONFIGS = {"qwen3": "Qwen3Config", "phi3": "Phi3Config", "gemma2": "Gemma2Config", "gemma3_text": "Gemma3TextConfig",
+                  "smollm3": "SmolLM3Config", "gpt_oss": "GptOssConfig"}
 FAMILY_DEFAULTS = {
     "qwen3": dict(head_dim=24),
     "phi3": dict(sliding_window=None),
@@ -105,6 +106,11 @@ FAMILY_DEFAULTS = {
                    final_logit_softcapping=4.0, hidden_activation="gelu_pytorch_tanh"),
     "gemma3_text": dict(head_dim=24, query_pre_attn_scalar=20, sliding_window=24, sliding_window_pattern=2,
                         rope_theta=40000.0, rope_local_base_freq=1000.0, hidden_activation="gelu_pytorch_tanh"),
+    # every second layer without positions (3 layers: rope, none, rope), those sliding
+    "smollm3": dict(no_rope_layer_interval=2, use_sliding_window=True, sliding_window=24),
+    # 4 experts, 2 a token, 32 wide (the experts' intermediates side by side: 128); sliding and
+    # full layers alternating, yarn rope (the family's default), attention biases and sinks
+    "gpt_oss": dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=32, sliding_window=24),
 }
 
 
