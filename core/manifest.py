@@ -107,6 +107,21 @@ def bundle_file_name(name: Any, where: str) -> str:
     return name
 
 
+def _kv_layout(value: list | None, num_layers: int, where: str) -> tuple[tuple[int, int], ...] | None:
+    """A manifest's kv_layout: at most one [num_kv_heads, head_dim] of positive integers per layer."""
+    if value is None:
+        return None
+    if not 1 <= len(value) <= num_layers:
+        raise BundleError(f"{where}: field 'kv_layout' has {len(value)} entries; expected 1..{num_layers} (num_layers)")
+    out = []
+    for i, entry in enumerate(value):
+        if not (isinstance(entry, list) and len(entry) == 2 and all(type(x) is int for x in entry)):
+            raise BundleError(f"{where}: field 'kv_layout'[{i}] is {entry!r:.60}; expected [num_kv_heads, head_dim]")
+        out.append((_positive(entry[0], "num_kv_heads", where, MOST["num_kv_heads"]),
+                    _positive(entry[1], "head_dim", where, MOST["head_dim"])))
+    return tuple(out)
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     """One graph of the bundle (`models[role]`): the numbers needed to drive it, and the
@@ -140,6 +155,26 @@ class ModelSpec:
     # "exact": verify rows equal single steps bit for bit; "fused": ONNX Runtime's fused
     # attention (GroupQueryAttention), rows equal up to rounding (docs/backends.md, "Exact and fused graphs")
     attention: str = "exact"
+    # [num_kv_heads, head_dim] of each layer that keeps K/V, in order (its key and value buffers);
+    # None: every layer, each num_kv_heads x head_dim. Models whose layers differ (Gemma 4: wider
+    # heads on full-attention layers; layers that reuse an earlier layer's K/V keep none) state it.
+    kv_layout: tuple[tuple[int, int], ...] | None = None
+
+    @property
+    def kv_shapes(self) -> list[tuple[int, int]]:
+        """(num_kv_heads, head_dim) of each KV buffer, in kv_names' order (key, value per layer)."""
+        layers = self.kv_layout or ((self.num_kv_heads, self.head_dim),) * self.num_layers
+        return [tuple(shape) for shape in layers for _ in ("key", "value")]
+
+    @property
+    def num_kv_layers(self) -> int:
+        """How many layers keep K/V (the graph's past/present pairs)."""
+        return len(self.kv_layout) if self.kv_layout else self.num_layers
+
+    def kv_shape(self, i: int, batch: int, max_seq: int) -> tuple[int, int, int, int]:
+        """The shape of KV buffer i: [batch, num_kv_heads, max_seq, head_dim]."""
+        heads, dim = self.kv_shapes[i]
+        return batch, heads, max_seq, dim
 
     @property
     def logits_rows(self) -> bool:
@@ -153,7 +188,7 @@ class ModelSpec:
         """(input, output) names of the KV buffers, in layer order: key then value."""
         from .graph_io import kv_names
 
-        return kv_names(self.num_layers)
+        return kv_names(self.num_kv_layers)
 
     @classmethod
     def from_dict(cls, role: str, d: Any) -> "ModelSpec":
@@ -193,6 +228,7 @@ class ModelSpec:
             parity=_take(d, "parity", dict, where, optional=True),
             trt=trt,
             attention=attention,
+            kv_layout=_kv_layout(_take(d, "kv_layout", list, where, optional=True), ints["num_layers"], where),
             **ints,
         )
 
@@ -209,6 +245,8 @@ class ModelSpec:
         for key in ("head_vocab", "draft_vocab", "quantization", "parity", "trt"):
             if getattr(self, key) is not None:
                 d[key] = getattr(self, key)
+        if self.kv_layout is not None:
+            d["kv_layout"] = [list(shape) for shape in self.kv_layout]
         return d
 
     @property
@@ -231,9 +269,9 @@ class ModelSpec:
         return {name: int(self.outputs[name][-1]) for name in FEATURE_OUTPUTS if name in self.outputs}
 
     def kv_bytes(self, max_seq: int) -> int:
-        """What the KV buffers of this graph take: 2 per layer, [1, Hkv, max_seq, D]."""
+        """What the KV buffers of this graph take: 2 per layer that keeps K/V, [1, Hkv, max_seq, D]."""
         itemsize = 4 if self.kv_dtype == "float32" else 2
-        return 2 * self.num_layers * self.num_kv_heads * max_seq * self.head_dim * itemsize
+        return sum(heads * max_seq * dim * itemsize for heads, dim in self.kv_shapes)
 
     def replace(self, **changes) -> "ModelSpec":
         return dataclasses.replace(self, **changes)

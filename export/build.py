@@ -188,10 +188,11 @@ def model_entry(graph: SpecGraph, source: Source, role: str, graph_file: str, dt
     """The manifest entry of a graph whose batch dimension B is dynamic (the bundle's max_batch
     bounds it). `kv_dtype` (a numpy name): its KV buffers' (default: the dtype's, KV_DTYPE)."""
     cfg = source.config
-    inputs, outputs = io_names(graph.num_layers)
+    inputs, outputs = io_names(len(graph.kv_layout))
     feature_in, feature_out = feature_shapes(graph)
-    kv_inputs = [name for name, _ in kv_names(graph.num_layers)]
-    kv_shape = ["B", graph.num_kv_heads, max_seq, graph.head_dim]
+    kv_inputs = [name for name, _ in kv_names(len(graph.kv_layout))]
+    kv_shapes = [["B", heads, max_seq, dim] for heads, dim in graph.kv_layout for _ in range(2)]
+    uniform = len(graph.kv_layout) == graph.num_layers and len(set(graph.kv_layout)) == 1
     return ModelSpec(
         role=role,
         graph=graph_file,
@@ -202,8 +203,9 @@ def model_entry(graph: SpecGraph, source: Source, role: str, graph_file: str, dt
         source_layers=cfg.num_hidden_layers,
         hidden_size=cfg.hidden_size,
         num_heads=graph.num_heads,
-        num_kv_heads=graph.num_kv_heads,
-        head_dim=graph.head_dim,
+        num_kv_heads=graph.kv_layout[0][0],
+        head_dim=graph.kv_layout[0][1],
+        kv_layout=None if uniform else tuple(graph.kv_layout),
         vocab_size=cfg.vocab_size,
         dtype=dtype,
         kv_dtype=kv_dtype or KV_DTYPE[dtype],
@@ -214,11 +216,11 @@ def model_entry(graph: SpecGraph, source: Source, role: str, graph_file: str, dt
             "position_ids": ["B", "T"],
             "write_indices": ["B"],
             "attention_mask": ["B", "1", "T", "L"],
-            **{name: kv_shape for name in kv_inputs},
+            **dict(zip(kv_inputs, kv_shapes)),
             LOGITS_ROWS: ["R"],
             **feature_in,
         },
-        outputs={"logits": ["B", "R", cfg.vocab_size], **{name: kv_shape for name in outputs[1:]}, **feature_out},
+        outputs={"logits": ["B", "R", cfg.vocab_size], **dict(zip(outputs[1:], kv_shapes)), **feature_out},
         kv_aliases={o: i for i, o in zip(kv_inputs, outputs[1:])},
         # a restricted head: logits of other tokens are -inf
         head_vocab=int(graph.head_vocab.shape[0]) if graph.head_vocab is not None else None,

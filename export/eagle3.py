@@ -554,6 +554,7 @@ class Eagle3Graph(nn.Module):
         self.register_buffer("inv_freq", head.rotary.inv_freq.detach().clone().float(), persistent=False)
         self.rope_scale = float(head.rotary.attention_scaling)
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.kv_layout = [(cfg.num_kv_heads, cfg.head_dim)]  # one layer's K/V (onnx_export.kv_buffers)
         self.scaling = cfg.head_dim**-0.5
         self.num_layers = 1
         self.inplace = inplace

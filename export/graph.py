@@ -170,6 +170,10 @@ class SpecGraph(nn.Module):
         self.attn_softcap, self.final_softcap = arch.softcaps(cfg)
         self.windows = arch.layer_windows(cfg)[:n]  # windows the graph applies itself, per layer
         self.rotates = arch.rope_layers(cfg)[:n]  # False: a layer that attends without positions
+        # The KV buffers: (num_kv_heads, head_dim) of each layer that keeps K/V, and the pair of
+        # buffers each layer reads (and writes, where it keeps its own)
+        self.kv_layout = [(self.num_kv_heads, self.head_dim)] * n
+        self.kv_of_layer = list(range(n))
         self.embed_scale = cfg.hidden_size**0.5 if arch.embed_scale else None
         # Widths of the packed projections' outputs: q | k | v and gate | up.
         self.qkv_widths = [self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim,
@@ -311,18 +315,18 @@ class SpecGraph(nn.Module):
         for window in dict.fromkeys(w for w in self.windows if w is not None):
             masks[window] = self._window_mask(mask, position_ids, window)
         norms = self.arch.norms
-        presents, aux = [], []
+        caches, aux = list(past), []  # each KV pair as the layers before have left it in this pass
         delta = None  # the last block's output, not yet added to the residual stream h
         for i, layer in enumerate(self.layers):
             x, h = self._norm(getattr(layer, norms.attention_in), h, delta)
             if i in self.aux_layers:  # the state entering layer i (Hugging Face's hidden_states[i])
                 aux.append(h.float())
             cos, sin = ropes.get(self.rope_of_layer[i], (None, None))
-            out, key_cache, value_cache = self._attention(
+            j = self.kv_of_layer[i]
+            out, caches[2 * j], caches[2 * j + 1] = self._attention(
                 i, layer.self_attn, x, position_ids, write_indices, attention_mask, masks[self.windows[i]], cos, sin,
-                past[2 * i], past[2 * i + 1]
+                caches[2 * j], caches[2 * j + 1]
             )
-            presents += [key_cache, value_cache]
             out = layer.self_attn.o_proj(out)
             if norms.attention_out is not None:
                 out = self._rms(getattr(layer, norms.attention_out), out)
@@ -342,5 +346,5 @@ class SpecGraph(nn.Module):
             full = logits.new_full((b, r, self.vocab_size), float("-inf"))
             logits = full.scatter(-1, self.head_vocab.expand(b, r, -1), logits)
         if aux:
-            return (logits, *presents, torch.cat(aux, dim=-1))
-        return (logits, *presents)
+            return (logits, *caches, torch.cat(aux, dim=-1))
+        return (logits, *caches)

@@ -44,8 +44,8 @@ PARITY_TEXT = (
 
 
 def kv_buffers(graph: SpecGraph, max_seq: int, dtype: torch.dtype, batch: int = 1) -> list[torch.Tensor]:
-    shape = (batch, graph.num_kv_heads, max_seq, graph.head_dim)
-    return [torch.zeros(shape, dtype=dtype) for _ in range(2 * graph.num_layers)]
+    """Zeroed KV buffers of `graph`: a key and a value buffer per layer that keeps K/V (kv_layout)."""
+    return [torch.zeros((batch, heads, max_seq, dim), dtype=dtype) for heads, dim in graph.kv_layout for _ in range(2)]
 
 
 def export_onnx(graph: SpecGraph, path: Path, max_seq: int, kv_dtype: torch.dtype, optimize: bool = True,
@@ -85,11 +85,11 @@ def export_onnx(graph: SpecGraph, path: Path, max_seq: int, kv_dtype: torch.dtyp
         "position_ids": {**first, 1: dim_t},
         "write_indices": first or None,
         "attention_mask": {**first, 2: dim_t, 3: dim_l},
-        "past": [first or None] * (2 * graph.num_layers),
+        "past": [first or None] * (2 * len(graph.kv_layout)),
         "logits_rows": {0: dim_r},
         **{name: {**first, 1: dim_t} for name in graph.feature_inputs},
     }
-    inputs, outputs = io_names(graph.num_layers, True, tuple(graph.feature_inputs), tuple(graph.feature_outputs))
+    inputs, outputs = io_names(len(graph.kv_layout), True, tuple(graph.feature_inputs), tuple(graph.feature_outputs))
     with warnings.catch_warnings(), _quiet_exporter():
         warnings.simplefilter("ignore")
         program = torch.onnx.export(

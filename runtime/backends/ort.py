@@ -334,7 +334,7 @@ def _load(graph_path: Path, spec: ModelSpec, max_seq: int, threads: int | None, 
             raise DeviceError(f"{graph_path.name}: {placement.provider} did not load (ONNX Runtime would run this graph "
                               f"on {', '.join(got)}); {CUDA_LIBRARIES}")
         break
-    inputs, outputs = io_names(spec.num_layers, spec.logits_rows, tuple(spec.feature_inputs), tuple(spec.feature_outputs))
+    inputs, outputs = io_names(spec.num_kv_layers, spec.logits_rows, tuple(spec.feature_inputs), tuple(spec.feature_outputs))
     have = ({i.name for i in session.get_inputs()}, {o.name for o in session.get_outputs()})
     if have != (set(inputs), set(outputs)):
         missing = sorted((set(inputs) - have[0]) | (set(outputs) - have[1]))
@@ -353,9 +353,9 @@ def _load(graph_path: Path, spec: ModelSpec, max_seq: int, threads: int | None, 
             if key in graph_said and graph_said[key] != value:
                 raise BundleError(f"{graph_path}: the graph's {key} is {graph_said[key]!r}, the manifest says {value!r}; "
                                   "re-export the bundle")
-    kv = [None, spec.num_kv_heads, max_seq, spec.head_dim]
+    kv = {name: [None, *spec.kv_shape(i, 1, max_seq)[1:]] for i, pair in enumerate(spec.kv_names) for name in pair}
     for value in session.get_inputs() + session.get_outputs():
-        want, fields = ((kv, "num_kv_heads, max_seq, head_dim") if value.name.startswith(("past_", "present_"))
+        want, fields = ((kv[value.name], "num_kv_heads, max_seq, head_dim") if value.name in kv
                         else ([None, None, spec.logits_width], "vocab_size") if value.name == "logits" else (None, ""))
         got = [d if isinstance(d, int) else None for d in value.shape]
         if want is not None and [w if w is None else g for w, g in zip(want, got)] + got[len(want):] != want:
@@ -526,11 +526,11 @@ class OrtEngine:
         self.session, self.placement = session, placement
         self.device = str(placement.device)
         self.providers = session.get_providers()
-        shape = (1, spec.num_kv_heads, max_seq, spec.head_dim)
         # Allocated once on the device and zero-filled: slots past the length hold finite values,
         # so a padded window's masked slots add exact zeros.
-        self._kv_values = [_allocate(shape, spec.kv_dtype, placement.device) for _ in spec.kv_names]
-        for value in self._kv_values:
+        shapes = [spec.kv_shape(i, 1, max_seq) for i in range(len(spec.kv_names))]
+        self._kv_values = [_allocate(shape, spec.kv_dtype, placement.device) for shape in shapes]
+        for shape, value in zip(shapes, self._kv_values):
             value.update_inplace(np.zeros(shape, dtype=spec.kv_dtype))
         self._stages: dict[int, _Stage] = {}  # by T
         self._takes_rows = spec.logits_rows

@@ -54,9 +54,8 @@ class OrtBatchEngine:
         self.name = f"{spec.role} ({graph_path.name})"
         self.max_seq, self.max_batch, self.vocab_size = max_seq, max_batch, spec.vocab_size
         self.device = "cpu"
-        shape = (max_batch, spec.num_kv_heads, max_seq, spec.head_dim)
-        self.kv = [np.zeros(shape, dtype=spec.kv_dtype) for _ in spec.kv_names]  # host buffers, written in place
-        self.slot_bytes = self.kv[0][0].nbytes
+        # host buffers, written in place
+        self.kv = [np.zeros(spec.kv_shape(i, max_batch, max_seq), dtype=spec.kv_dtype) for i in range(len(spec.kv_names))]
         self._bindings: dict[tuple[int, int], ort.IOBinding] = {}  # (first slot, B) -> KV bound once
         self._logits = np.zeros((max_batch, 1, spec.logits_width), np.float32)  # grown on demand (T rows)
         # An EAGLE-3 target's hidden states: each pass's AUX_HIDDEN rows, per slot at their positions
@@ -72,16 +71,16 @@ class OrtBatchEngine:
     @property
     def kv_bytes_per_sequence(self) -> int:
         """What one more sequence (one slot) adds: its K/V over every layer."""
-        return self.slot_bytes * len(self.kv)
+        return sum(buffer[0].nbytes for buffer in self.kv)
 
     def _binding(self, first: int, b: int) -> ort.IOBinding:
         key = (first, b)
         binding = self._bindings.get(key)
         if binding is None:
             binding = self._bindings[key] = self.session.io_binding()
-            shape = [b, *self.kv[0].shape[1:]]
             for (inp, out), buffer in zip(self.spec.kv_names, self.kv):
-                address = buffer.ctypes.data + first * self.slot_bytes
+                shape = [b, *buffer.shape[1:]]
+                address = buffer.ctypes.data + first * buffer[0].nbytes
                 binding.bind_input(inp, "cpu", 0, buffer.dtype, shape, address)
                 binding.bind_output(out, "cpu", 0, buffer.dtype, shape, address)
         return binding

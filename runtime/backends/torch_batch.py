@@ -59,9 +59,8 @@ class TorchBatchEngine:
         self.graph = graph.to(self.device).eval()
         self.graph.inplace = True
         kv_dtype = getattr(torch, spec.kv_dtype)
-        shape = (max_batch, spec.num_kv_heads, max_seq, spec.head_dim)
-        self.kv = [torch.zeros(shape, dtype=kv_dtype, device=self.device) for _ in spec.kv_names]
-        self.slot_bytes = self.kv[0][0].numel() * self.kv[0].element_size()
+        self.kv = [torch.zeros(spec.kv_shape(i, max_batch, max_seq), dtype=kv_dtype, device=self.device)
+                   for i in range(len(spec.kv_names))]
         self._arange = torch.arange(max_seq, device=self.device)
         # per slot: [write index, token ids...]; staged on the host (pinned on a GPU), sent up in one copy
         self._io = torch.zeros((max_batch, max_seq + 1), dtype=torch.int64, device=self.device)
@@ -92,7 +91,7 @@ class TorchBatchEngine:
 
     @property
     def kv_bytes_per_sequence(self) -> int:
-        return self.slot_bytes * len(self.kv)
+        return sum(buffer[0].numel() * buffer.element_size() for buffer in self.kv)
 
     @property
     def padding_floor(self) -> int:

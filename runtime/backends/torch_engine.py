@@ -175,9 +175,9 @@ class TorchEngine:
         self.graph.inplace = True  # write the buffers below where they lie
         self.stats = TorchEngineStats(device=str(self.device), capture=self.capture)
         kv_dtype = getattr(torch, spec.kv_dtype)
-        shape = (1, spec.num_kv_heads, max_seq, spec.head_dim)
         # Allocated once, never moved: rollback is the caller moving its length back.
-        self.kv = [torch.zeros(shape, dtype=kv_dtype, device=self.device) for _ in spec.kv_names]
+        self.kv = [torch.zeros(spec.kv_shape(i, 1, max_seq), dtype=kv_dtype, device=self.device)
+                   for i in range(len(spec.kv_names))]
         self._arange = torch.arange(max_seq, device=self.device)
         # [write position, token ids...]: the only data a pass sends up.
         self._io = torch.zeros(max_seq + 1, dtype=torch.int64, device=self.device)

@@ -113,7 +113,8 @@ class TrtEngine:
         self.max_chain = capture_max_t - 1 if self.argmax else 0
         dtypes = _loaded.dtypes
         kv_in = [i for i, _ in spec.kv_names]
-        kv_nbytes = int(np.prod((1, spec.num_kv_heads, max_seq, spec.head_dim))) * np.dtype(spec.kv_dtype).itemsize
+        kv_nbytes = [int(np.prod(spec.kv_shape(i, 1, max_seq))) * np.dtype(spec.kv_dtype).itemsize
+                     for i in range(len(kv_in))]
         itemsize = {n: dtypes[n].itemsize for n in (*STAGED_INPUTS, "logits")}
         self.layout = layout = engine_layout(
             self.t_max, max_seq, spec.vocab_size, kv_in, kv_nbytes, itemsize, self.max_chain

@@ -72,13 +72,15 @@ def plan_layout(items: list[tuple[str, int]], alignment: int = ALIGNMENT) -> Lay
 STAGED_INPUTS = ("input_ids", "position_ids", "write_indices", "attention_mask")
 
 def engine_layout(
-    t_max: int, max_seq: int, vocab_size: int, kv_names: list[str], kv_nbytes: int,
+    t_max: int, max_seq: int, vocab_size: int, kv_names: list[str], kv_nbytes: int | list[int],
     itemsize: dict[str, int], max_chain: int = 0,
 ) -> Layout:
     """The pool of one engine: staged inputs, then (an engine with the ARGMAX output, max_chain
     > 0) the argmax rows and `chain`, the up to max_chain tokens of a draft chain, then the
     logits and the KV buffers (one per layer and kind, each bound as both the aliased input and
-    output). Everything before the logits is small, and mirrored in pinned host memory."""
+    output; `kv_nbytes` each one's bytes, or one figure for all). Everything before the logits is
+    small, and mirrored in pinned host memory."""
+    kv_sizes = kv_nbytes if isinstance(kv_nbytes, list) else [kv_nbytes] * len(kv_names)
     sizes = {
         "input_ids": t_max * itemsize["input_ids"],
         "position_ids": t_max * itemsize["position_ids"],
@@ -90,7 +92,7 @@ def engine_layout(
     }
     small = [*STAGED_INPUTS, ARGMAX, "chain"] if max_chain else list(STAGED_INPUTS)
     return plan_layout([(n, sizes[n]) for n in small] + [("logits", sizes["logits"])]
-                       + [(n, kv_nbytes) for n in kv_names])
+                       + list(zip(kv_names, kv_sizes)))
 
 
 def step_slot(layout: Layout, max_seq: int, mask_itemsize: int) -> tuple[int, int]:

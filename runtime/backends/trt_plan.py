@@ -74,14 +74,14 @@ def load_engine(trt, plan_path: Path, spec: ModelSpec, entry: dict, max_seq: int
             f"{plan_path}: output {argmax} is {dtypes[argmax]}, input_ids is {dtypes['input_ids']}; a draft step's "
             "argmax is copied byte for byte into the next step's input_ids: rebuild the engine"
         )
-    kv_in = spec.kv_names[0][0]
-    kv_shape = (1, spec.num_kv_heads, max_seq, spec.head_dim)
-    got = tuple(engine.get_tensor_shape(kv_in))
-    if dtypes[kv_in] != np.dtype(spec.kv_dtype) or (got[:1] not in ((1,), (-1,))) or got[1:] != kv_shape[1:]:
-        raise BundleError(
-            f"{plan_path}: KV tensor {kv_in} is {dtypes[kv_in]} {got}, the manifest "
-            f"says {spec.kv_dtype} {kv_shape}; rebuild the engine"
-        )
+    for i, (kv_in, _) in enumerate(spec.kv_names):
+        kv_shape = spec.kv_shape(i, 1, max_seq)
+        got = tuple(engine.get_tensor_shape(kv_in))
+        if dtypes[kv_in] != np.dtype(spec.kv_dtype) or (got[:1] not in ((1,), (-1,))) or got[1:] != kv_shape[1:]:
+            raise BundleError(
+                f"{plan_path}: KV tensor {kv_in} is {dtypes[kv_in]} {got}, the manifest "
+                f"says {spec.kv_dtype} {kv_shape}; rebuild the engine"
+            )
     if engine.num_optimization_profiles != len(entry["profiles"]):
         raise BundleError(
             f"{plan_path}: engine has {engine.num_optimization_profiles} optimization profiles, the manifest "

@@ -1,6 +1,8 @@
 """Human-readable views of bundles and runs."""
 from __future__ import annotations
 
+from collections import Counter
+
 from specdeploy.core.manifest import FORMAT, Bundle, mib, not_exact_line
 from specdeploy.runtime.decoding.stats import Stats
 
@@ -27,8 +29,9 @@ def describe(bundle: Bundle) -> str:
             f"hidden {e.hidden_size}, heads {e.num_heads} (kv {e.num_kv_heads}) x {e.head_dim}, "
             f"vocab {e.vocab_size}" + (f" (its head: {e.draft_vocab} draft tokens)" if e.draft_vocab else "")
             + f", {e.parameters / 1e6:.1f}M parameters, {e.dtype}",
-            f"            KV: {2 * e.num_layers} buffers [{'B' if m.max_batch > 1 else 1}, {e.num_kv_heads}, {m.max_seq}, "
-            f"{e.head_dim}] "
+            f"            KV: {2 * e.num_kv_layers} buffers " + ", ".join(
+                (f"{n} x " if len(set(e.kv_shapes)) > 1 else "") + f"[{'B' if m.max_batch > 1 else 1}, {heads}, "
+                f"{m.max_seq}, {dim}]" for (heads, dim), n in Counter(e.kv_shapes).items()) + " "
             f"{e.kv_dtype}, written in place"
             + (f", sliding window {e.sliding_window}" if e.sliding_window else ""),
             "            attention: " + (
