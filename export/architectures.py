@@ -13,9 +13,10 @@ from typing import Any, Callable
 from specdeploy.core.errors import ExportError
 
 # RoPE types whose angles are fixed per position: the graph computes cos/sin from the source's
-# inverse frequencies and attention scaling, exactly as its rotary module does. Types whose
+# inverse frequencies and attention scaling, exactly as its rotary module does ("proportional",
+# Gemma 4's full layers: frequencies of zero past partial_rotary_factor, dims that stay as they are). Types whose
 # frequencies depend on the sequence length reached (dynamic, longrope) are refused.
-ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+ROPE_TYPES = ("default", "linear", "llama3", "yarn", "proportional")
 
 # Where a family's sliding window applies:
 # "none": never; "all": every layer, the runtime's mask carries it (the manifest's sliding_window);
@@ -82,6 +83,12 @@ class Architecture:
     # A mixture of experts in place of the MLP (gpt-oss: mlp.router picks num_experts_per_tok of
     # num_local_experts, mlp.experts their clamped SwiGLU): export/experts.py.
     experts: bool = False
+    # Gemma 4: each layer's heads and width from config.per_layer_config (full layers wider); the
+    # layers kv_sharing_modes marks "reuse" read the K/V of the last earlier layer of their type
+    # and keep none; attention_k_eq_v full layers take v from k's projection; v normed without a
+    # scale; scores not scaled (the q/k norms set their size); each layer's output times its
+    # layer_scalar; per-layer input embeddings (hidden_size_per_layer_input) gate each layer's end.
+    layer_configs: bool = False
     refusals: tuple[Refusal, ...] = field(default_factory=tuple)
 
     def rope_parameters(self, cfg) -> dict[str, dict]:
@@ -114,6 +121,8 @@ class Architecture:
         return self.contrib_ops and not self.sinks and all(self.rope_layers(cfg))
 
     def scaling(self, cfg, head_dim: int) -> float:
+        if self.layer_configs:
+            return 1.0
         return float(getattr(cfg, self.query_scale_field) if self.query_scale_field else head_dim) ** -0.5
 
     def softcaps(self, cfg) -> tuple[float | None, float | None]:
@@ -159,6 +168,11 @@ ARCHITECTURES: dict[str, Architecture] = {a.model_type: a for a in (
                  refusals=(Refusal("use_bidirectional_attention", _set("bidirectional attention is not implemented")),)),
     Architecture("gemma3_text", "Gemma 3 (text)", qk_norm=True, rope_by_layer_type=True, **GEMMA,
                  refusals=(Refusal("use_bidirectional_attention", _set("bidirectional attention is not implemented")),)),
+    Architecture("gemma4_text", "Gemma 4 (text)", qk_norm=True, rope_by_layer_type=True, layer_configs=True,
+                 **{**GEMMA, "unit_offset_norm": False, "query_scale_field": None, "attn_softcap_field": None},
+                 refusals=(Refusal("use_bidirectional_attention", _set("bidirectional attention is not implemented")),
+                           Refusal("enable_moe_block", _set("the mixture-of-experts block beside the MLP is not "
+                                                            "implemented")))),
 )}
 
 

@@ -174,6 +174,12 @@ class SpecGraph(nn.Module):
         # buffers each layer reads (and writes, where it keeps its own)
         self.kv_layout = [(self.num_kv_heads, self.head_dim)] * n
         self.kv_of_layer = list(range(n))
+        self.layer_dims = [(self.num_kv_heads, self.head_dim)] * n  # each layer's (num_kv_heads, head_dim)
+        self.keeps_kv = [True] * n  # False: the layer reads an earlier layer's K/V and writes none
+        self.k_eq_v = [False] * n  # True: v is k's projection (normed apart, not rotated)
+        self.per_layer_width = 0  # Gemma 4's per-layer input embeddings: each layer's slice width
+        if arch.layer_configs:
+            self._layer_configs(cfg, base, n)
         self.embed_scale = cfg.hidden_size**0.5 if arch.embed_scale else None
         # Widths of the packed projections' outputs: q | k | v and gate | up.
         self.qkv_widths = [self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim,
@@ -195,6 +201,52 @@ class SpecGraph(nn.Module):
         self.aux_layers = tuple(sorted(aux_layers)) if aux_layers else ()
         self.feature_inputs: dict[str, int] = {}
         self.feature_outputs = {"aux_hidden_states": len(self.aux_layers) * cfg.hidden_size} if self.aux_layers else {}
+
+    def _layer_configs(self, cfg, base: nn.Module, n: int) -> None:
+        """Gemma 4's per-layer attention shapes, K/V sharing and per-layer inputs (Architecture.layer_configs)."""
+        self.layer_dims = [(cfg.per_layer_config[i].num_key_value_heads, cfg.per_layer_config[i].head_dim)
+                           for i in range(n)]
+        modes, kinds = cfg.kv_sharing_modes[:n], cfg.layer_types[:n]
+        producer: dict[str, int] = {}  # layer type -> the pair kept by the last layer of that type so far
+        self.kv_layout, self.kv_of_layer, self.keeps_kv = [], [], []
+        for i in range(n):
+            keeps = modes[i] != "reuse"
+            if keeps:
+                producer[kinds[i]] = len(self.kv_layout)
+                self.kv_layout.append(self.layer_dims[i])
+            self.kv_of_layer.append(producer[kinds[i]])
+            self.keeps_kv.append(keeps)
+        self.k_eq_v = [bool(cfg.attention_k_eq_v) and kind == "full_attention" for kind in kinds]
+        self.per_layer_width = cfg.hidden_size_per_layer_input or 0
+        if self.per_layer_width:
+            self.embed_tokens_per_layer = base.embed_tokens_per_layer
+            self.per_layer_model_projection = base.per_layer_model_projection
+            self.per_layer_projection_norm = base.per_layer_projection_norm
+            self.source_layers = cfg.num_hidden_layers  # the per-layer table holds a slice for each
+
+    def _per_layer_inputs(self, input_ids: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        """[B, T, layers, width]: Gemma 4's per-layer inputs, as its model computes them: the token's
+        row of the per-layer table (times sqrt(width)) and a projection of its embedding (times
+        hidden^-1/2, normed), added and times 2^-1/2."""
+        b, t, hidden = h.shape
+        table = self.embed_tokens_per_layer
+        scale = self.per_layer_width**0.5
+        if isinstance(table, QuantEmbedding):  # the fast scheme's 4-bit table, as the main one: float32 rows
+            rows = table(input_ids) * torch.tensor(scale, dtype=torch.float32)
+        else:  # the lookup, then the scale rounded to the weights' dtype, as the source's embedding does
+            rows = nn.functional.embedding(input_ids, table.weight) * torch.tensor(scale, dtype=table.weight.dtype)
+        rows = rows.view(b, t, self.source_layers, self.per_layer_width)
+        projected = self.per_layer_model_projection(h) * hidden**-0.5
+        projected = self._rms(self.per_layer_projection_norm, projected.view(b, t, self.source_layers, self.per_layer_width))
+        return (projected + rows) * 2.0**-0.5
+
+    def _layer_end(self, i: int, layer: nn.Module, h: torch.Tensor, per_layer: torch.Tensor | None) -> torch.Tensor:
+        """Gemma 4's end of layer i, on the residual stream with the MLP's output joined: the
+        per-layer input's gated block, then the layer's scalar."""
+        if per_layer is not None:
+            y = self.act(layer.per_layer_input_gate(h)) * per_layer[:, :, i]
+            h = h + self._rms(layer.post_per_layer_input_norm, layer.per_layer_projection(y))
+        return h * layer.layer_scalar
 
     def use_contrib_ops(self, positions: int, fused: bool = False) -> None:
         """Spell RoPE as ONNX Runtime's RotaryEmbedding (one node for what is otherwise about
@@ -253,6 +305,8 @@ class SpecGraph(nn.Module):
         additive mask as attention_reference reads it."""
         b, t, _ = x.shape
         write = kv_write_inplace if self.inplace else kv_write
+        if self.arch.layer_configs:
+            return self._layer_attention(layer, attn, x, write, write_indices, mask, cos, sin, key_cache, value_cache)
         d = self.head_dim
         if self.fused:
             qkv = self.qkv[layer](x)
@@ -278,6 +332,26 @@ class SpecGraph(nn.Module):
             k = k * cos + _rotate_half(k) * sin
         return attention_reference(q, k, v, key_cache, value_cache, write_indices, mask, self.scaling, write,
                                    softcap=self.attn_softcap, sinks=attn.sinks if self.arch.sinks else None)
+
+    def _layer_attention(self, layer: int, attn: nn.Module, x, write, write_indices, mask, cos, sin, key_cache,
+                         value_cache):
+        """Gemma 4's attention of layer `layer`: its own heads and width; q (and, where the layer
+        keeps K/V, k and v) normed per head; v from k's projection on attention_k_eq_v layers, its
+        norm without a scale; a layer that reads an earlier layer's K/V writes none."""
+        b, t, _ = x.shape
+        kv_heads, d = self.layer_dims[layer]
+        q = self._rms(attn.q_norm, attn.q_proj(x).view(b, t, self.num_heads, d)).transpose(1, 2)
+        q = q * cos + _rotate_half(q) * sin
+        k = v = None
+        if self.keeps_kv[layer]:
+            k = attn.k_proj(x).view(b, t, kv_heads, d)
+            v = k if self.k_eq_v[layer] else attn.v_proj(x).view(b, t, kv_heads, d)
+            k = self._rms(attn.k_norm, k).transpose(1, 2)
+            k = k * cos + _rotate_half(k) * sin
+            v32 = v.float()
+            v = (v32 / torch.sqrt(v32.pow(2).mean(-1, keepdim=True) + self.eps)).to(v.dtype).transpose(1, 2)
+        return attention_reference(q, k, v, key_cache, value_cache, write_indices, mask, self.scaling, write,
+                                   softcap=self.attn_softcap)
 
     def _rope(self, inv_freq: torch.Tensor, scale: float, position_ids: torch.Tensor, dtype: torch.dtype):
         """cos, sin [B, 1, T, D] at position_ids, as the source's rotary module computes them."""
@@ -306,6 +380,7 @@ class SpecGraph(nn.Module):
         else:  # the lookup, then the scale rounded to the weights' dtype, as the source's embedding does
             weight = self.embed_tokens.weight
             h = nn.functional.embedding(input_ids, weight) * torch.tensor(self.embed_scale, dtype=weight.dtype)
+        per_layer = self._per_layer_inputs(input_ids, h) if self.per_layer_width else None
         ropes = {}
         if not self.contrib_ops:
             for name in dict.fromkeys(self.rope_of_layer):
@@ -334,6 +409,8 @@ class SpecGraph(nn.Module):
             delta = self._mlp(layer.mlp, x)
             if norms.mlp_out is not None:
                 delta = self._rms(getattr(layer, norms.mlp_out), delta)
+            if self.arch.layer_configs:
+                h, delta = self._layer_end(i, layer, h + delta, per_layer), None
         x, h = self._norm(self.norm, h, delta)
         if logits_rows is not None:
             x = x.index_select(1, logits_rows)  # one Gather: the head reads R rows, not T

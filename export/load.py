@@ -94,6 +94,10 @@ def load_source(path: "str | Path | Source") -> Source:
         # what a config's values can raise: transformers validates some (heads dividing the width)
         why = " ".join(line.strip() for line in str(e).splitlines()[:2])
         raise ExportError(f"{path}: cannot read the model config ({why})") from None
+    if hasattr(config, "allow_global_per_layer_attribute_access"):
+        # a config whose layers differ (Gemma 4): its global fields are the base the per-layer
+        # entries override; export reads those entries where the graph differs by layer
+        config.allow_global_per_layer_attribute_access = True
     if reader is not None:
         _gguf_head_dim(reader, config)
     try:

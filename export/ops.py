@@ -163,11 +163,12 @@ def attention_reference(q, k, v, key_cache, value_cache, write_indices, mask, sc
     `sinks` [heads] (gpt-oss): each head's logit joins the softmax as one more column, which is
     dropped after it (its weight is what the head gives to no token)."""
     b, heads, t, d = q.shape
-    kv_heads = k.shape[1]
+    kv_heads = key_cache.shape[1]
     groups = heads // kv_heads
     window = mask.shape[-1]
-    key_cache = write(key_cache, k.to(key_cache.dtype), write_indices)
-    value_cache = write(value_cache, v.to(value_cache.dtype), write_indices)
+    if k is not None:  # None: a layer that reads another layer's K/V (Gemma 4's shared layers) writes none
+        key_cache = write(key_cache, k.to(key_cache.dtype), write_indices)
+        value_cache = write(value_cache, v.to(value_cache.dtype), write_indices)
     keys = key_cache[:, :, :window].to(q.dtype)  # [B, Hkv, L, D]: slots past the length are never read
     values = value_cache[:, :, :window].to(q.dtype)
     # The G query heads that share a KV head are stacked as G*T rows of one plain matmul.

@@ -165,6 +165,8 @@ def quantize_model(model: nn.Module, scheme: str, gguf_path: Path | None = None,
     for i, layer in enumerate(list(model.model.layers)[:num_layers]):
         for owner_name, fused_name, names in _layer_groups(arch):
             owner = getattr(layer, owner_name)
+            # Gemma 4: a layer that reads another's K/V has no k_proj / v_proj, a k = v layer no v_proj
+            names = tuple((attr, tensor) for attr, tensor in names if getattr(owner, attr, None) is not None)
             parts = []
             for attr, tensor in names:
                 heads = None  # llama.cpp's converter reorders a llama GGUF's q and k rows
@@ -179,7 +181,8 @@ def quantize_model(model: nn.Module, scheme: str, gguf_path: Path | None = None,
             # (a mixed GGUF's Q4_K beside Q6_K) stay a node each: each keeps its own blocks.
             # Without a minimum term to share, gate and up stay two nodes: fused, their output's
             # Split costs more than the second node (docs/backends.md, "Exact and fused graphs").
-            separate = len({b.form for b, _ in parts}) > 1 or (owner_name == "mlp" and parts[0][0].mins is None)
+            separate = len({b.form for b, _ in parts}) > 1 or (owner_name == "mlp" and parts[0][0].mins is None) \
+                or arch.layer_configs  # its projections differ by layer: the graph reads each by name
             if len(parts) == 1 or separate:
                 for (attr, _), (blocks, bias) in zip(names, parts):
                     setattr(owner, attr, QuantLinear(blocks, bias))
@@ -202,6 +205,18 @@ def quantize_model(model: nn.Module, scheme: str, gguf_path: Path | None = None,
         n, k = table.out_features, table.in_features
         model.model.embed_tokens = QuantEmbedding(table.packed, table.scales, n, k)
         embedding = "int4 (the head's blocks)" if table is model.lm_head else "int4"
+    per_layer = getattr(model.model, "embed_tokens_per_layer", None)  # Gemma 4's per-layer input table
+    per_layer_embedding = None
+    if per_layer is not None:
+        per_layer_embedding = "float32"
+        width = per_layer.weight.shape[1]
+        if plan["embedding_bits"] and bits == 4 and width % BLOCK == 0:  # as the main table
+            table = QuantLinear(quantize_float(per_layer.weight.detach().float().numpy(), 4, "none"), None)
+            model.model.embed_tokens_per_layer = QuantEmbedding(table.packed, table.scales, per_layer.weight.shape[0],
+                                                                width)
+            per_layer_embedding = "int4"
+        elif plan["embedding_bits"] and bits == 4:
+            per_layer_embedding = f"float32 (its width {width} is not a multiple of the {BLOCK}-value block)"
     from_float = sum(v for key, v in counts.items() if key.startswith("float"))
     return {
         "scheme": scheme,
@@ -213,6 +228,7 @@ def quantize_model(model: nn.Module, scheme: str, gguf_path: Path | None = None,
         "linear_bits": bits,
         "head_bits": plan["head_bits"],
         "embedding": embedding,
+        **({"per_layer_embedding": per_layer_embedding} if per_layer_embedding else {}),
         "tensors": dict(sorted(counts.items())),  # "<origin>-><int storage bits>[/<block>]": count
         "imported_exactly": sum(counts.values()) - from_float,
         "quantized_from_float": from_float,

@@ -30,6 +30,9 @@ MAX_SEQ = 128
 NEW_TOKENS = 40  # with the longest prompt, past every sliding window below
 DRAFT_LENS = (1, 3, 8)
 TEST_PROMPTS = [PROMPTS[0], PROMPTS[1], PROMPTS[16], PROMPTS[13]]
+# A prompt that repeats itself: a lookup draft (n-gram, suffix) proposes from its first round
+# whatever the model says (a random model's greedy text need not repeat: tiny Gemma 4's does not)
+REPEATING = " ".join([PROMPTS[0]] * 3)
 
 FAMILIES = {
     # name: (model_type, make_model overrides): odd shapes where the family allows them
@@ -39,6 +42,7 @@ FAMILIES = {
     "gemma3": ("gemma3_text", dict(rope_scaling={"rope_type": "linear", "factor": 2.0})),  # global rope scaled
     "smollm3": ("smollm3", dict()),  # tiny.FAMILY_DEFAULTS: the middle layer without positions, sliding
     "gpt_oss": ("gpt_oss", dict()),  # 2 of 4 experts a token, sinks, biases, yarn, sliding and full layers
+    "gemma4": ("gemma4_text", dict()),  # tiny.FAMILY_DEFAULTS and make_model: every text feature but MoE
 }
 
 
@@ -84,6 +88,10 @@ def test_the_tiny_models_have_the_shapes_meant(family_models):
     gpt_oss = json.loads((family_models["gpt_oss"] / "config.json").read_text())
     assert gpt_oss["num_experts_per_tok"] < gpt_oss["num_local_experts"] and gpt_oss["attention_bias"]
     assert gpt_oss["rope_parameters"]["rope_type"] == "yarn" and "full_attention" in gpt_oss["layer_types"]
+    gemma4 = json.loads((family_models["gemma4"] / "config.json").read_text())
+    assert gemma4["layer_types"] == ["full_attention", "sliding_attention", "full_attention"]
+    assert gemma4["num_kv_shared_layers"] == 1 and gemma4["attention_k_eq_v"] and gemma4["hidden_size_per_layer_input"]
+    assert gemma4["per_layer_config"]["0"]["head_dim"] != gemma4["head_dim"] and gemma4["use_double_wide_mlp"]
 
 
 @pytest.mark.parametrize("name", list(FAMILIES))
@@ -92,10 +100,12 @@ def test_plain_and_speculative_equal_hf_generate(name, draft, family_models, fam
     bundle = family_bundles(name, draft)
     session = Session(bundle)
     hf = AutoModelForCausalLM.from_pretrained(family_models[name], dtype=torch.float32).eval()
-    longest = 0
+    longest, drafted = 0, 0
+    lookup = draft in ("ngram", "suffix")
     # the target is the same graph in every bundle: the drafts added later run on the two prompts
     # that matter most (code, and the longest, past every window)
-    for prompt in TEST_PROMPTS if draft in ("self:layers=1", "ngram") else TEST_PROMPTS[1:3]:
+    prompts = TEST_PROMPTS if draft in ("self:layers=1", "ngram") else TEST_PROMPTS[1:3]
+    for prompt in prompts + [REPEATING] if lookup else prompts:
         ids = session.encode(prompt)
         plain = session.generate(prompt_ids=ids, max_new_tokens=NEW_TOKENS, speculate=False)
         longest = max(longest, len(ids) + len(plain.token_ids))
@@ -104,7 +114,10 @@ def test_plain_and_speculative_equal_hf_generate(name, draft, family_models, fam
         for k in DRAFT_LENS:
             spec = session.generate(prompt_ids=ids, max_new_tokens=NEW_TOKENS, draft_len=k)
             assert spec.token_ids == plain.token_ids, (prompt, k)
-            assert spec.stats.drafted > 0 or len(plain.token_ids) <= 1
+            # a model draft proposes every round; a lookup where the text has repeated (REPEATING at least)
+            assert spec.stats.drafted > 0 or len(plain.token_ids) <= 1 or lookup
+            drafted += spec.stats.drafted
+    assert drafted > 0
     window = getattr(hf.config, "sliding_window", None)
     if window:
         assert longest > window  # the window really cut some rows' context
@@ -114,7 +127,7 @@ def test_plain_and_speculative_equal_hf_generate(name, draft, family_models, fam
 
 # The fast scheme once, on a family whose embedding is scaled (its 4-bit table is read through
 # QuantEmbedding): its linears are the exact scheme's code with another rounding.
-@pytest.mark.parametrize("name, scheme", [(name, "exact") for name in FAMILIES] + [("gemma2", "fast")])
+@pytest.mark.parametrize("name, scheme", [(name, "exact") for name in FAMILIES] + [("gemma2", "fast"), ("gemma4", "fast")])
 def test_quantized_families_are_lossless_and_near_their_source(name, scheme, family_models, tmp_path):
     """int4 (MatMulNBits around the family's own RoPE and norms): speculative == plain token for
     token with an int4 self-draft at draft lengths 1, 3 and 8, and the logits within int4's
@@ -128,6 +141,9 @@ def test_quantized_families_are_lossless_and_near_their_source(name, scheme, fam
                  dtype="int4", quant_scheme=scheme)
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["models"]["target"]["quantization"]["quant_scheme"] == scheme
+    if name == "gemma4":  # its per-layer input table quantized as the main one is, never left out
+        want = "int4" if scheme == "fast" else "float32"
+        assert manifest["models"]["target"]["quantization"]["per_layer_embedding"] == want
     session = Session(out)
     for prompt in TEST_PROMPTS[:2]:
         ids = session.encode(prompt)
@@ -143,7 +159,48 @@ def test_quantized_families_are_lossless_and_near_their_source(name, scheme, fam
     hf = AutoModelForCausalLM.from_pretrained(family_models[name], dtype=torch.float32).eval()
     with torch.no_grad():
         want = hf(torch.from_numpy(ids)[None]).logits[0].numpy()
-    assert np.linalg.norm(got - want) / np.linalg.norm(want) <= 0.35
+    distance = lambda a, b: np.linalg.norm(a - b) / np.linalg.norm(b)  # noqa: E731
+    if name != "gemma4":
+        assert distance(got, want) <= 0.35
+        return
+    # Gemma 4's tiny model is more sensitive to its weights' rounding (unit-normed q and k,
+    # unscaled scores: at int8 0.076 from the source where Gemma 3's is 0.024): the source's own
+    # forward over the same int4 weights (and 4-bit tables, fast scheme) is itself 0.6-0.8 from the
+    # float source. The graph is held to that model (what remains: the int8 activation rounding)
+    with torch.no_grad():
+        rounded = dequantized_source(hf, scheme)(torch.from_numpy(ids)[None]).logits[0].numpy()
+    assert distance(got, rounded) <= 0.35 and distance(rounded, want) <= 0.9
+
+
+def dequantized_source(hf, scheme: str):
+    """A copy of the Hugging Face model holding the values of export's int4 modules as float
+    weights (each projection and the head; the embedding tables where the scheme quantizes them):
+    the source's own code over the weights the graph reads. For families whose projections
+    export keeps apart (Gemma 4)."""
+    import copy
+
+    from specdeploy.export.quantize import QuantEmbedding, QuantLinear, quantize_model
+
+    model, quantized = copy.deepcopy(hf), copy.deepcopy(hf)
+    quantize_model(quantized, "int4", None, None, scheme)
+
+    def weight(linear):  # an identity's rows are exact under the int8 activation rounding
+        eye = torch.eye(linear.in_features)
+        return (linear(eye) - linear(torch.zeros(1, linear.in_features))).T.contiguous()
+
+    pairs = [(model.lm_head, quantized.lm_head)] + [
+        (getattr(getattr(a, owner), name), module) for a, b in zip(model.model.layers, quantized.model.layers)
+        for owner in ("self_attn", "mlp") for name, module in getattr(b, owner)._modules.items()
+        if isinstance(module, QuantLinear)]
+    model.lm_head = copy.deepcopy(model.lm_head)  # untied: the embedding keeps its own table
+    pairs[0] = (model.lm_head, quantized.lm_head)
+    for linear, module in pairs:
+        linear.weight.data = weight(module)
+    for name in ("embed_tokens", "embed_tokens_per_layer"):
+        table = getattr(quantized.model, name, None)
+        if isinstance(table, QuantEmbedding):
+            getattr(model.model, name).weight.data = table(torch.arange(table.num_embeddings)[None])[0]
+    return model
 
 
 @pytest.mark.parametrize("name", list(FAMILIES))
@@ -156,6 +213,30 @@ def test_the_torch_backend_decodes_each_family_as_onnx_runtime_does(name, family
         want = ort_session.generate(prompt, max_new_tokens=NEW_TOKENS, speculate=False).token_ids
         assert torch_session.generate(prompt, max_new_tokens=NEW_TOKENS, speculate=False).token_ids == want
         assert torch_session.generate(prompt, max_new_tokens=NEW_TOKENS, draft_len=3).token_ids == want
+
+
+@pytest.mark.parametrize("name, backend", [("gemma4", "ort"), ("gemma4", "torch"), ("gpt_oss", "ort")])
+def test_a_batch_answers_each_request_as_a_session_alone(name, backend, family_bundles):
+    """The families whose KV buffers differ by layer (Gemma 4: wider full layers, layers keeping
+    none) or whose attention has sinks, in a batch of 3 slots on each batched engine: requests
+    of every kind (greedy speculative, seeded sampled, plain; torch: greedy and plain) joining as
+    others leave, each equal to Session alone, token for token."""
+    from test_batch import concurrently, jobs, solo
+
+    from specdeploy.runtime.decoding.batch import BatchSession
+
+    bundle = family_bundles(name, "self:layers=1")
+    work = jobs(9)
+    if backend == "torch":  # greedy and plain only: alone, the torch backend runs a model draft's round
+        # fused on the device (propose_and_verify: a generator of its own, seeded from the request's),
+        # a batch draws on the host; both exact in distribution, not the same draws (any family)
+        work = [(p, kw) for p, kw in work if "temperature" not in kw]
+    want = solo(bundle, work, backend)
+    batched = BatchSession(bundle, batch=3, max_queue=16, backend=backend)
+    try:
+        assert concurrently(batched, work, stagger=0.002) == want
+    finally:
+        batched.close()
 
 
 @pytest.mark.parametrize("name", list(FAMILIES))
@@ -224,6 +305,9 @@ def _refused(folder, *, dtype="fp32", draft="self:layers=1", max_draft=8, attent
     ("gemma3_text", dict(use_bidirectional_attention=True), "use_bidirectional_attention"),
     ("smollm3", dict(no_rope_layers=[1, 0, 1]), "no_rope_layers"),  # three flags for two layers
     ("gpt_oss", dict(quantization_config={"quant_method": "mxfp4"}), "quantization_config"),
+    ("gemma4_text", dict(enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=32),
+     "enable_moe_block"),
+    ("gemma4_text", dict(use_bidirectional_attention="all"), "use_bidirectional_attention"),
 ])
 def test_what_the_graph_does_not_reproduce_is_refused_naming_the_field(arch, overrides, field, tmp_path):
     tiny.make_model(tmp_path / "m", arch, layers=2, **overrides)

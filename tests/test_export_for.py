@@ -116,7 +116,7 @@ def test_an_int4_bundle_for_tensorrt_is_standard_onnx_and_lossless(llama, tmp_pa
 
 @pytest.mark.bundle
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral", "qwen3", "phi3", "gemma2", "gemma3_text", "smollm3",
-                                  "gpt_oss"])
+                                  "gpt_oss", "gemma4_text"])
 def test_every_family_exported_for_tensorrt_by_default_passes_check_trt(arch, tmp_path):
     """--for tensorrt with no other choice: fp16 (fp32 for Gemma and gpt-oss, whose activations
     overflow fp16), a self-draft, and check-trt run by export itself (it raises on a refused node); the

@@ -86,9 +86,14 @@ def make_model(folder: Path, arch: str = "llama", seed: int = 0, layers: int = 3
         tie_word_embeddings=False,
     )
     kwargs.update(FAMILY_DEFAULTS.get(arch, {}))
+    if arch == "gemma4_text":  # sliding and full layers alternating, the last full; from 3 layers on the last
+        kwargs["layer_types"] = [("full" if (layers - i) % 2 else "sliding") + "_attention" for i in range(layers)]
+        kwargs["num_kv_shared_layers"] = 1 if layers >= 3 else 0  # reads the K/V of the full layer before it
     kwargs.update(overrides)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config_class(**kwargs)).eval()
+    for layer in model.model.layers if arch == "gemma4_text" else ():  # ones at init: the graph must show it scales
+        layer.layer_scalar.data.uniform_(0.5, 1.5)
     model.save_pretrained(folder)
     make_tokenizer(folder, vocab_size)
     return model
@@ -98,7 +103,7 @@ def make_model(folder: Path, arch: str = "llama", seed: int = 0, layers: int = 3
 # where the family's own are large (Gemma's 256-wide heads) or its quirks should show at once
 # (a head_dim that is not hidden / heads, soft-capping on, windows shorter than a test's text).
 FAMILY_CONFIGS = {"qwen3": "Qwen3Config", "phi3": "Phi3Config", "gemma2": "Gemma2Config", "gemma3_text": "Gemma3TextConfig",
-                  "smollm3": "SmolLM3Config", "gpt_oss": "GptOssConfig"}
+                  "smollm3": "SmolLM3Config", "gpt_oss": "GptOssConfig", "gemma4_text": "Gemma4TextConfig"}
 FAMILY_DEFAULTS = {
     "qwen3": dict(head_dim=24),
     "phi3": dict(sliding_window=None),
@@ -111,6 +116,14 @@ FAMILY_DEFAULTS = {
     # 4 experts, 2 a token, 32 wide (the experts' intermediates side by side: 128); sliding and
     # full layers alternating, yarn rope (the family's default), attention biases and sinks
     "gpt_oss": dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=32, sliding_window=24),
+    # every feature of the text model the graph reproduces at once: sliding (16-wide heads, 2 of
+    # them) and full layers (32-wide, 1 head, v = k, proportional rope over a quarter); the last
+    # layers reading the K/V of the last earlier layer of their type; their MLP twice as wide;
+    # per-layer inputs; a final soft-cap; layer scalars other than 1 (make_model sets them)
+    "gemma4_text": dict(head_dim=16, global_head_dim=32, num_global_key_value_heads=1, attention_k_eq_v=True,
+                        hidden_size_per_layer_input=32, vocab_size_per_layer_input=320,
+                        use_double_wide_mlp=True, final_logit_softcapping=30.0, sliding_window=24,
+                        hidden_activation="gelu_pytorch_tanh"),
 }
 
 
