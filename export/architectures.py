@@ -80,14 +80,16 @@ class Architecture:
     # A learned logit per head joins each softmax's denominator and is dropped after it
     # (gpt-oss's attention sinks, self_attn.sinks): attention may give less than 1 to the context.
     sinks: bool = False
-    # A mixture of experts in place of the MLP (gpt-oss: mlp.router picks num_experts_per_tok of
-    # num_local_experts, mlp.experts their clamped SwiGLU): export/experts.py.
+    # A mixture of experts (gpt-oss: in place of the MLP, mlp.router picks num_experts_per_tok of
+    # num_local_experts, mlp.experts their clamped SwiGLU; Gemma 4 with enable_moe_block: beside
+    # it): export/experts.py makes them dense.
     experts: bool = False
     # Gemma 4: each layer's heads and width from config.per_layer_config (full layers wider); the
     # layers kv_sharing_modes marks "reuse" read the K/V of the last earlier layer of their type
     # and keep none; attention_k_eq_v full layers take v from k's projection; v normed without a
     # scale; scores not scaled (the q/k norms set their size); each layer's output times its
-    # layer_scalar; per-layer input embeddings (hidden_size_per_layer_input) gate each layer's end.
+    # layer_scalar; per-layer input embeddings (hidden_size_per_layer_input) gate each layer's end;
+    # with enable_moe_block, an experts block beside each MLP (export/experts.py).
     layer_configs: bool = False
     refusals: tuple[Refusal, ...] = field(default_factory=tuple)
 
@@ -170,9 +172,7 @@ ARCHITECTURES: dict[str, Architecture] = {a.model_type: a for a in (
                  refusals=(Refusal("use_bidirectional_attention", _set("bidirectional attention is not implemented")),)),
     Architecture("gemma4_text", "Gemma 4 (text)", qk_norm=True, rope_by_layer_type=True, layer_configs=True,
                  **{**GEMMA, "unit_offset_norm": False, "query_scale_field": None, "attn_softcap_field": None},
-                 refusals=(Refusal("use_bidirectional_attention", _set("bidirectional attention is not implemented")),
-                           Refusal("enable_moe_block", _set("the mixture-of-experts block beside the MLP is not "
-                                                            "implemented")))),
+                 refusals=(Refusal("use_bidirectional_attention", _set("bidirectional attention is not implemented")),)),
 )}
 
 

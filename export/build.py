@@ -299,7 +299,7 @@ def source_graph(source: Source, dtype: str, num_layers: int | None = None, quan
     entering these layers (a target with an EAGLE-3 head)."""
     record = None
     vocab = source.head_vocab
-    experts = architecture(source.config).experts
+    experts = architecture(source.config).experts or bool(getattr(source.config, "enable_moe_block", False))
     model = copy.deepcopy(source.model) if dtype in SCHEMES or vocab or experts else source.model
     if experts:
         densify_experts(model)

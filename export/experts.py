@@ -33,24 +33,19 @@ def _linear(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Linear:
 
 
 class DenseExperts(nn.Module):
-    """gpt-oss's MLP: the router, then every expert's clamped SwiGLU weighted by it."""
+    """A mixture of experts over projections of all experts at once (see the module's docstring):
+    gate_proj and up_proj [E*I outputs], down_proj [E*I inputs], the experts' down biases apart.
+    `routing(x)` gives each token's weight per expert; `glu(gate, up)` an expert's intermediate."""
 
-    def __init__(self, mlp: nn.Module, cfg):
+    def __init__(self, gate: tuple, up: tuple, down: torch.Tensor, down_bias: torch.Tensor | None, glu,
+                 num_experts: int, router: nn.Module | None = None, top_k: int = 0):
         super().__init__()
-        experts, router = mlp.experts, mlp.router
-        e, hidden, two_i = experts.gate_up_proj.shape
-        i = two_i // 2
-        self.num_experts, self.top_k, self.width = e, cfg.num_experts_per_tok, i
-        self.alpha, self.limit = float(experts.alpha), float(experts.limit)
-        self.router = _linear(router.weight.detach(), router.bias.detach())
-        gate_up = experts.gate_up_proj.detach()  # [E, H, 2I]: gate and up interleaved along the last dim
-        bias = experts.gate_up_proj_bias.detach()  # [E, 2I]
-        # [E, H, I] -> [E*I, H]: output e*I + j is expert e's column j
-        self.gate_proj = _linear(gate_up[..., ::2].permute(0, 2, 1).reshape(e * i, hidden), bias[:, ::2].reshape(-1))
-        self.up_proj = _linear(gate_up[..., 1::2].permute(0, 2, 1).reshape(e * i, hidden), bias[:, 1::2].reshape(-1))
-        down = experts.down_proj.detach()  # [E, I, H]
-        self.down_proj = _linear(down.reshape(e * i, hidden).T, None)
-        self.register_buffer("down_bias", experts.down_proj_bias.detach().clone(), persistent=False)  # [E, H]
+        self.num_experts, self.width, self.top_k = num_experts, gate[0].shape[0] // num_experts, top_k
+        self.glu = glu
+        self.router = router
+        self.gate_proj, self.up_proj = _linear(*gate), _linear(*up)
+        self.down_proj = _linear(down, None)
+        self.register_buffer("down_bias", None if down_bias is None else down_bias.detach().clone(), persistent=False)
 
     def _gate_up(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if "gate_up_proj" in self._modules:  # the quantizer's fusion of gate and up (one MatMulNBits)
@@ -60,28 +55,74 @@ class DenseExperts(nn.Module):
         return self.gate_proj(x), self.up_proj(x)
 
     def routing(self, x: torch.Tensor) -> torch.Tensor:
-        """[..., E]: each token's weight for each expert (0 for those not chosen)."""
+        """[..., E]: gpt-oss's routing: router logits (with bias) -> top-k -> softmax over the k
+        (0 for the experts not chosen)."""
         logits = self.router(x)
         top, chosen = torch.topk(logits, self.top_k, dim=-1)
-        weights = torch.softmax(top, dim=-1)
-        return torch.zeros_like(logits).scatter(-1, chosen, weights)
+        return torch.zeros_like(logits).scatter(-1, chosen, torch.softmax(top, dim=-1))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights = self.routing(x)  # [B, T, E]
-        gate, up = self._gate_up(x)
-        gate = gate.clamp(max=self.limit)
-        up = up.clamp(min=-self.limit, max=self.limit)
-        inner = (up + 1) * (gate * torch.sigmoid(gate * self.alpha))  # [B, T, E*I]
+    def forward(self, x: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
+        """x [B, T, H]; `weights` [B, T, E] (None: this module's own routing of x)."""
+        weights = self.routing(x) if weights is None else weights
+        inner = self.glu(*self._gate_up(x))  # [B, T, E*I]
         b, t, _ = inner.shape
-        inner = (inner.view(b, t, self.num_experts, self.width) * weights[..., None]).view(b, t, -1)
-        return self.down_proj(inner) + weights @ self.down_bias.to(weights.dtype)
+        inner = (inner.view(b, t, self.num_experts, self.width) * weights[..., None].to(inner.dtype)).view(b, t, -1)
+        out = self.down_proj(inner)
+        return out if self.down_bias is None else out + weights.to(out.dtype) @ self.down_bias.to(out.dtype)
+
+
+def _by_expert(weight: torch.Tensor) -> torch.Tensor:
+    """[E, I, H] (each expert's rows) -> [E*I, H]: output e*I + j is expert e's row j."""
+    e, i, h = weight.shape
+    return weight.reshape(e * i, h)
+
+
+def gpt_oss_experts(mlp: nn.Module, cfg) -> DenseExperts:
+    """gpt-oss's MLP (router with bias; experts' gate|up interleaved [E, H, 2I] with bias; the
+    clamped SwiGLU: gate clamped above, up on both sides, at swiglu_limit; (up + 1) * gate *
+    sigmoid(alpha * gate); down [E, I, H] with bias)."""
+    experts, router = mlp.experts, mlp.router
+    alpha, limit = float(experts.alpha), float(experts.limit)
+    gate_up, bias = experts.gate_up_proj.detach(), experts.gate_up_proj_bias.detach()  # [E, H, 2I], [E, 2I]
+    e = gate_up.shape[0]
+
+    def glu(gate, up):
+        gate = gate.clamp(max=limit)
+        up = up.clamp(min=-limit, max=limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
+    return DenseExperts((_by_expert(gate_up[..., ::2].permute(0, 2, 1)), bias[:, ::2].reshape(-1)),
+                        (_by_expert(gate_up[..., 1::2].permute(0, 2, 1)), bias[:, 1::2].reshape(-1)),
+                        _by_expert(experts.down_proj.detach()).T, experts.down_proj_bias, glu, e,
+                        _linear(router.weight.detach(), router.bias.detach()), cfg.num_experts_per_tok)
+
+
+def gemma4_experts(experts: nn.Module) -> DenseExperts:
+    """Gemma 4's experts block (gate|up concatenated [E, 2I, H], no bias; act(gate) * up; down
+    [E, H, I]); its router stays the source's module (the graph calls it: Gemma4MoE)."""
+    gate_up, i = experts.gate_up_proj.detach(), experts.intermediate_dim  # [E, 2I, H]
+    act = experts.act_fn
+    return DenseExperts((_by_expert(gate_up[:, :i]), None), (_by_expert(gate_up[:, i:]), None),
+                        experts.down_proj.detach().permute(1, 0, 2).reshape(gate_up.shape[2], -1), None,
+                        lambda gate, up: act(gate) * up, gate_up.shape[0])
+
+
+def gemma4_routing(router: nn.Module, h: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """[B, T, E]: the weights Gemma 4's router gives each expert (its own forward: the top-k of a
+    softmax over all experts, renormalized, times each chosen expert's scale), 0 for the rest."""
+    _, weights, chosen = router(h)
+    return torch.zeros(*h.shape[:-1], num_experts, dtype=weights.dtype, device=h.device).scatter(-1, chosen, weights)
 
 
 def densify_experts(model: nn.Module) -> None:
-    """Replace each layer's mixture of experts by DenseExperts, in place (on a copy of the source:
-    the source keeps its own modules, the reference the export is checked against)."""
+    """Replace each layer's mixture of experts by a DenseExperts, in place (on a copy of the
+    source: the source keeps its own modules, the reference the export is checked against):
+    gpt-oss's MLP, Gemma 4's experts block beside its MLP."""
     for layer in model.model.layers:
-        layer.mlp = DenseExperts(layer.mlp, model.config)
+        if model.config.model_type == "gpt_oss":
+            layer.mlp = gpt_oss_experts(layer.mlp, model.config)
+        elif getattr(layer, "experts", None) is not None:
+            layer.experts = gemma4_experts(layer.experts)
 
 
-__all__ = ["DenseExperts", "densify_experts"]
+__all__ = ["DenseExperts", "densify_experts", "gemma4_experts", "gemma4_routing", "gpt_oss_experts"]

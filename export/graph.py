@@ -34,6 +34,7 @@ from torch import nn
 from transformers.activations import ACT2FN
 
 from .architectures import Architecture, check_config
+from .experts import gemma4_routing
 from .quantize import QuantEmbedding
 from .ops import attention_reference, fused_attention_eager, group_query_attention, kv_write, rope_caches, rotary, skip_rms_norm
 
@@ -178,6 +179,7 @@ class SpecGraph(nn.Module):
         self.keeps_kv = [True] * n  # False: the layer reads an earlier layer's K/V and writes none
         self.k_eq_v = [False] * n  # True: v is k's projection (normed apart, not rotated)
         self.per_layer_width = 0  # Gemma 4's per-layer input embeddings: each layer's slice width
+        self.experts_beside = False
         if arch.layer_configs:
             self._layer_configs(cfg, base, n)
         self.embed_scale = cfg.hidden_size**0.5 if arch.embed_scale else None
@@ -217,6 +219,7 @@ class SpecGraph(nn.Module):
             self.kv_of_layer.append(producer[kinds[i]])
             self.keeps_kv.append(keeps)
         self.k_eq_v = [bool(cfg.attention_k_eq_v) and kind == "full_attention" for kind in kinds]
+        self.experts_beside = bool(cfg.enable_moe_block)  # each layer's experts block beside its MLP
         self.per_layer_width = cfg.hidden_size_per_layer_input or 0
         if self.per_layer_width:
             self.embed_tokens_per_layer = base.embed_tokens_per_layer
@@ -239,6 +242,14 @@ class SpecGraph(nn.Module):
         projected = self.per_layer_model_projection(h) * hidden**-0.5
         projected = self._rms(self.per_layer_projection_norm, projected.view(b, t, self.source_layers, self.per_layer_width))
         return (projected + rows) * 2.0**-0.5
+
+    def _experts_beside(self, layer: nn.Module, h: torch.Tensor, mlp_out: torch.Tensor) -> torch.Tensor:
+        """Gemma 4's feed-forward with an experts block: the router reads the residual stream h, the
+        experts its own norm of it; each output normed, then added."""
+        weights = gemma4_routing(layer.router, h, layer.experts.num_experts)
+        experts = layer.experts(self._rms(layer.pre_feedforward_layernorm_2, h), weights)
+        return self._rms(layer.post_feedforward_layernorm_1, mlp_out) + self._rms(layer.post_feedforward_layernorm_2,
+                                                                                 experts)
 
     def _layer_end(self, i: int, layer: nn.Module, h: torch.Tensor, per_layer: torch.Tensor | None) -> torch.Tensor:
         """Gemma 4's end of layer i, on the residual stream with the MLP's output joined: the
@@ -407,6 +418,8 @@ class SpecGraph(nn.Module):
                 out = self._rms(getattr(layer, norms.attention_out), out)
             x, h = self._norm(getattr(layer, norms.mlp_in), h, out)
             delta = self._mlp(layer.mlp, x)
+            if self.experts_beside:  # Gemma 4: the MLP's and the experts' outputs, each normed, added
+                delta = self._experts_beside(layer, h, delta)
             if norms.mlp_out is not None:
                 delta = self._rms(getattr(layer, norms.mlp_out), delta)
             if self.arch.layer_configs:

@@ -116,8 +116,12 @@ def _layer_groups(arch) -> list[tuple[str, str, tuple[tuple[str, str], ...]]]:
     qkv = (("qkv_proj", "attn_qkv"),) if arch.packed_qkv else \
         (("q_proj", "attn_q"), ("k_proj", "attn_k"), ("v_proj", "attn_v"))
     gate_up = (("gate_up_proj", "ffn_up"),) if arch.packed_gate_up else (("gate_proj", "ffn_gate"), ("up_proj", "ffn_up"))
-    return [("self_attn", "qkv_proj", qkv), ("mlp", "gate_up_proj", gate_up),
-            ("self_attn", "o_proj", (("o_proj", "attn_output"),)), ("mlp", "down_proj", (("down_proj", "ffn_down"),))]
+    groups = [("self_attn", "qkv_proj", qkv), ("mlp", "gate_up_proj", gate_up),
+              ("self_attn", "o_proj", (("o_proj", "attn_output"),)), ("mlp", "down_proj", (("down_proj", "ffn_down"),))]
+    if arch.layer_configs:  # Gemma 4's experts block beside the MLP (export/experts.py), where a layer has one
+        groups += [("experts", "gate_up_proj", (("gate_proj", "ffn_gate_exps"), ("up_proj", "ffn_up_exps"))),
+                   ("experts", "down_proj", (("down_proj", "ffn_down_exps"),))]
+    return groups
 
 
 def _key(blocks: Blocks) -> str:
@@ -164,7 +168,9 @@ def quantize_model(model: nn.Module, scheme: str, gguf_path: Path | None = None,
     bits = SCHEMES[scheme]
     for i, layer in enumerate(list(model.model.layers)[:num_layers]):
         for owner_name, fused_name, names in _layer_groups(arch):
-            owner = getattr(layer, owner_name)
+            owner = getattr(layer, owner_name, None)
+            if owner is None:  # a layer without an experts block
+                continue
             # Gemma 4: a layer that reads another's K/V has no k_proj / v_proj, a k = v layer no v_proj
             names = tuple((attr, tensor) for attr, tensor in names if getattr(owner, attr, None) is not None)
             parts = []

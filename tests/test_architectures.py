@@ -42,7 +42,7 @@ FAMILIES = {
     "gemma3": ("gemma3_text", dict(rope_scaling={"rope_type": "linear", "factor": 2.0})),  # global rope scaled
     "smollm3": ("smollm3", dict()),  # tiny.FAMILY_DEFAULTS: the middle layer without positions, sliding
     "gpt_oss": ("gpt_oss", dict()),  # 2 of 4 experts a token, sinks, biases, yarn, sliding and full layers
-    "gemma4": ("gemma4_text", dict()),  # tiny.FAMILY_DEFAULTS and make_model: every text feature but MoE
+    "gemma4": ("gemma4_text", dict()),  # tiny.FAMILY_DEFAULTS and make_model: every feature of the text model
 }
 
 
@@ -92,6 +92,7 @@ def test_the_tiny_models_have_the_shapes_meant(family_models):
     assert gemma4["layer_types"] == ["full_attention", "sliding_attention", "full_attention"]
     assert gemma4["num_kv_shared_layers"] == 1 and gemma4["attention_k_eq_v"] and gemma4["hidden_size_per_layer_input"]
     assert gemma4["per_layer_config"]["0"]["head_dim"] != gemma4["head_dim"] and gemma4["use_double_wide_mlp"]
+    assert gemma4["enable_moe_block"] and gemma4["top_k_experts"] < gemma4["num_experts"]
 
 
 @pytest.mark.parametrize("name", list(FAMILIES))
@@ -181,7 +182,10 @@ def dequantized_source(hf, scheme: str):
 
     from specdeploy.export.quantize import QuantEmbedding, QuantLinear, quantize_model
 
+    from specdeploy.export.experts import densify_experts
+
     model, quantized = copy.deepcopy(hf), copy.deepcopy(hf)
+    densify_experts(quantized)  # as export does: its experts as projections over all of them
     quantize_model(quantized, "int4", None, None, scheme)
 
     def weight(linear):  # an identity's rows are exact under the int8 activation rounding
@@ -196,6 +200,13 @@ def dequantized_source(hf, scheme: str):
     pairs[0] = (model.lm_head, quantized.lm_head)
     for linear, module in pairs:
         linear.weight.data = weight(module)
+    for layer, dense in zip(model.model.layers, quantized.model.layers):  # back into the source's [E, ...] tensors
+        if getattr(layer, "experts", None) is not None:
+            experts, e = layer.experts, dense.experts.num_experts
+            gate, up = weight(dense.experts.gate_proj), weight(dense.experts.up_proj)  # [E*I, H]
+            experts.gate_up_proj.data = torch.cat([gate.view(e, -1, gate.shape[1]), up.view(e, -1, up.shape[1])], 1)
+            down = weight(dense.experts.down_proj)  # [H, E*I]
+            experts.down_proj.data = down.view(down.shape[0], e, -1).permute(1, 0, 2).contiguous()
     for name in ("embed_tokens", "embed_tokens_per_layer"):
         table = getattr(quantized.model, name, None)
         if isinstance(table, QuantEmbedding):
@@ -305,8 +316,6 @@ def _refused(folder, *, dtype="fp32", draft="self:layers=1", max_draft=8, attent
     ("gemma3_text", dict(use_bidirectional_attention=True), "use_bidirectional_attention"),
     ("smollm3", dict(no_rope_layers=[1, 0, 1]), "no_rope_layers"),  # three flags for two layers
     ("gpt_oss", dict(quantization_config={"quant_method": "mxfp4"}), "quantization_config"),
-    ("gemma4_text", dict(enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=32),
-     "enable_moe_block"),
     ("gemma4_text", dict(use_bidirectional_attention="all"), "use_bidirectional_attention"),
 ])
 def test_what_the_graph_does_not_reproduce_is_refused_naming_the_field(arch, overrides, field, tmp_path):

@@ -94,6 +94,9 @@ def make_model(folder: Path, arch: str = "llama", seed: int = 0, layers: int = 3
     model = AutoModelForCausalLM.from_config(config_class(**kwargs)).eval()
     for layer in model.model.layers if arch == "gemma4_text" else ():  # ones at init: the graph must show it scales
         layer.layer_scalar.data.uniform_(0.5, 1.5)
+        if getattr(layer, "router", None) is not None:
+            layer.router.scale.data.uniform_(0.5, 1.5)
+            layer.router.per_expert_scale.data.uniform_(0.5, 1.5)
     model.save_pretrained(folder)
     make_tokenizer(folder, vocab_size)
     return model
@@ -119,11 +122,13 @@ FAMILY_DEFAULTS = {
     # every feature of the text model the graph reproduces at once: sliding (16-wide heads, 2 of
     # them) and full layers (32-wide, 1 head, v = k, proportional rope over a quarter); the last
     # layers reading the K/V of the last earlier layer of their type; their MLP twice as wide;
-    # per-layer inputs; a final soft-cap; layer scalars other than 1 (make_model sets them)
+    # per-layer inputs; a final soft-cap; an experts block beside each MLP (2 of 4 experts a token);
+    # layer scalars and router scales other than 1 (make_model sets them)
     "gemma4_text": dict(head_dim=16, global_head_dim=32, num_global_key_value_heads=1, attention_k_eq_v=True,
                         hidden_size_per_layer_input=32, vocab_size_per_layer_input=320,
                         use_double_wide_mlp=True, final_logit_softcapping=30.0, sliding_window=24,
-                        hidden_activation="gelu_pytorch_tanh"),
+                        hidden_activation="gelu_pytorch_tanh", enable_moe_block=True, num_experts=4, top_k_experts=2,
+                        moe_intermediate_size=32),
 }
 
 
