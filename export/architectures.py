@@ -188,11 +188,6 @@ def check_config(cfg) -> Architecture:
     """The entry for `cfg`, or a one-line ExportError naming the first config field whose value
     the graph would not reproduce (never a silently different model)."""
     arch = architecture(cfg)
-    quantized = getattr(cfg, "quantization_config", None)
-    if quantized:
-        method = quantized.get("quant_method") if isinstance(quantized, dict) else getattr(quantized, "quant_method", None)
-        raise ExportError(f"{arch.family}: config quantization_config: weights quantized by {str(method)!r} are not "
-                          "read; export the float (bf16/fp32) checkpoint, or a GGUF file")
     for refusal in arch.refusals:
         why = refusal.refuses(getattr(cfg, refusal.field, None))
         if why:

@@ -104,6 +104,11 @@ def load_source(path: "str | Path | Source") -> Source:
         check_config(config)  # an architecture, or a config value, the graph would not reproduce
     except ExportError as e:
         raise ExportError(f"{path}: {e}") from None
+    quantized = getattr(config, "quantization_config", None)  # a GGUF file's own: its blocks are read
+    if quantized and reader is None:
+        method = quantized.get("quant_method") if isinstance(quantized, dict) else getattr(quantized, "quant_method", None)
+        raise ExportError(f"{path}: {architecture(config).family}: config quantization_config: weights quantized by "
+                          f"{str(method)!r} are not read; export the float (bf16/fp32) checkpoint, or a GGUF file")
     if reader is not None and architecture(config).experts:
         raise ExportError(f"{path}: {architecture(config).family} from a GGUF file is not implemented (its experts' "
                           "blocks are not imported); export the Hugging Face folder")
