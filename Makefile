@@ -19,10 +19,9 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	HF_HUB_OFFLINE=1 $(BIN)/specdeploy demo
 
-# Two workers (pytest-xdist), each test file whole in one of them (its module fixtures built once;
-# test_architectures.py a family at a time: tests/conftest.py worker_group).
+# Two workers (pytest-xdist), each test file whole in one of them (its module fixtures built once).
 test: $(STAMP)
-	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q -n 2 --dist loadgroup
+	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q -n 2 --dist loadfile
 
 test-fast: $(STAMP)
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q -m "not bundle"

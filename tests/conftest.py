@@ -120,17 +120,6 @@ def pytest_collection_modifyitems(items):
     for item in items:
         if EXPORTING_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.bundle)
-        item.add_marker(pytest.mark.xdist_group(worker_group(item)))
-
-
-def worker_group(item) -> str:
-    """What `make test`'s workers take whole (`--dist loadgroup`): a test file, so that its module
-    fixtures are built once; a file that names a parameter in XDIST_SPLIT, one group per value of
-    it (test_architectures.py: a family each, its models and bundles built lazily per family)."""
-    group = item.module.__name__
-    split = getattr(item.module, "XDIST_SPLIT", None)
-    params = getattr(getattr(item, "callspec", None), "params", {})
-    return f"{group}[{params[split]}]" if split in params else group
 
 
 @pytest.fixture(scope="session")

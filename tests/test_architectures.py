@@ -25,7 +25,6 @@ from test_lossless import hf_greedy
 from tiny import PROMPTS
 
 pytestmark = pytest.mark.bundle  # every test here exports bundles of its own
-XDIST_SPLIT = "name"  # make test's two workers take the families apart (conftest.worker_group)
 
 MAX_SEQ = 128
 NEW_TOKENS = 40  # with the longest prompt, past every sliding window below
