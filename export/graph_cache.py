@@ -78,8 +78,9 @@ class GraphCache:
             # export it again, and let this export keep its graph there
             shutil.rmtree(entry, ignore_errors=True)
             return None
+        checked = (spec.parity or {}).get("max_rel_diff_ort_vs_eager")
         self.log(f"  {spec.role}: the graph exported before with the same source and choices, from the cache "
-                 f"{self.root} (parity as checked then: {spec.parity.get('max_rel_diff_ort_vs_eager') if spec.parity else None})")
+                 f"{self.root}" + (f" (parity as checked then: {checked:.1e})" if checked is not None else ""))
         return spec.replace(source=str(Path(source).resolve()))
 
     def put(self, key: str, work: Path, spec: ModelSpec) -> None:
