@@ -27,6 +27,12 @@ def generate(path):
     ("llama-ngram", lambda m: m["models"].__setitem__("draft", m["models"]["target"]), "draft kind 'ngram' but models has 'draft' entry"),
     ("llama-self", lambda m: m["draft"].__setitem__("layers", 99), "draft layers 99 is above the target's 3"),
     ("mistral-model", lambda m: m["models"]["target"].__setitem__("sliding_window", 10**6), "sliding_window 1000000, outside [1, 128]"),
+    ("llama-ngram", lambda m: m["models"]["target"].__setitem__("kv_layout", [[2, 16]] * 4),
+     "field 'kv_layout' has 4 entries; expected 1..3 (num_layers)"),
+    ("llama-ngram", lambda m: m["models"]["target"].__setitem__("kv_layout", [[2, 16], "x", [2, 16]]),
+     "field 'kv_layout'[1] is 'x'; expected [num_kv_heads, head_dim]"),
+    ("llama-ngram", lambda m: m["models"]["target"].__setitem__("kv_layout", [[2, 16], [2, 10**6], [2, 16]]),
+     "field 'head_dim' is 1000000, outside [1, 4096]"),
 ])
 def test_fields_out_of_bounds_or_contradicting_each_other(copy_of, bundle, change, fragment):
     path = copy_of(bundle)
@@ -61,6 +67,8 @@ def test_a_manifest_that_is_a_link_is_refused(copy_of, tmp_path):
      "the graph's sliding_window is 40, the manifest says None"),
     ("llama-ngram", lambda m: m["models"]["target"].__setitem__("dtype", "fp16"),
      "the graph's dtype is 'fp32', the manifest says 'fp16'"),
+    ("llama-ngram", lambda m: m["models"]["target"].__setitem__("kv_layout", [[2, 16], [2, 32], [2, 16]]),
+     "past_key_1 is ['B', 2, 128, 16] in the graph but the manifest's num_kv_heads, max_seq, head_dim make it ['?', 2, 128, 32]"),
 ])
 def test_settings_that_contradict_the_graph_are_refused_when_it_loads(copy_of, bundle, change, fragment):
     path = copy_of(bundle)
