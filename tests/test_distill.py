@@ -38,12 +38,13 @@ def drafts(models, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def draft_bundles(models, drafts, tmp_path_factory):
+def draft_bundles(models, drafts, shared, tmp_path_factory):
     from specdeploy.export import build_bundle
 
     root = tmp_path_factory.mktemp("distilled_bundles")
     for name, draft in drafts.items():
-        build_bundle(models["llama"], str(draft), root / name, max_seq=MAX_SEQ, max_draft=8, prefill_chunk=PREFILL_CHUNK)
+        build_bundle(models["llama"], str(draft), root / name, max_seq=MAX_SEQ, max_draft=8, prefill_chunk=PREFILL_CHUNK,
+                     cache=shared / "graphs")  # the target's graph as the shared bundles' (test_graph_cache.py)
     return {name: root / name for name in drafts}
 
 

@@ -48,7 +48,7 @@ def eagle_bundles(heads):
             head, dtype = {"random": ("random", "fp32"), "bin": ("bin", "fp32"), "distilled": ("distilled", "fp32"),
                            "distilled-int4": ("distilled", "int4")}[name]
             build_bundle(root / "t8", str(root / head), root / f"b-{name}", max_seq=128, max_draft=8, prefill_chunk=16,
-                         dtype=dtype)
+                         dtype=dtype, cache=root / "graphs")  # one target graph for the heads that read the same layers
             made[name] = root / f"b-{name}"
         return made[name]
 

@@ -139,7 +139,7 @@ def test_group_query_attention_node_equals_its_eager_meaning():
 # -- bundles -------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def fused_bundles(models, tmp_path_factory):
+def fused_bundles(models, shared, tmp_path_factory):
     from specdeploy.export import build_bundle
 
     root = tmp_path_factory.mktemp("fused")
@@ -154,7 +154,7 @@ def fused_bundles(models, tmp_path_factory):
                 "fp32-selfint4": ("llama", "self:dtype=int4", dict()),
             }[name]
             build_bundle(models[target], draft, root / name, max_seq=MAX_SEQ, max_draft=8, prefill_chunk=PREFILL_CHUNK,
-                         **options)
+                         cache=shared / "graphs", **options)
             made[name] = root / name
         return made[name]
 

@@ -176,7 +176,7 @@ def test_blocks_concat_and_rows_keep_values():
 # -- bundles -------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def quant_bundles(models, tmp_path_factory):
+def quant_bundles(models, shared, tmp_path_factory):
     from specdeploy.export import build_bundle
 
     root = tmp_path_factory.mktemp("quant")
@@ -191,7 +191,7 @@ def quant_bundles(models, tmp_path_factory):
                 "fp16-none": ("llama", "none", "fp16", None),
             }[name]
             build_bundle(models[target], draft, root / name, max_seq=MAX_SEQ, max_draft=8, dtype=dtype,
-                         prefill_chunk=PREFILL_CHUNK, draft_dtype=draft_dtype)
+                         prefill_chunk=PREFILL_CHUNK, draft_dtype=draft_dtype, cache=shared / "graphs")
             made[name] = root / name
         return made[name]
 

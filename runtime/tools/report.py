@@ -26,8 +26,9 @@ def describe(bundle: Bundle) -> str:
         size = (bundle.path / e.graph).stat().st_size if (bundle.path / e.graph).exists() else 0
         lines += [
             f"{role:<11} {e.graph} ({mib(size)}): {e.architecture}, {e.num_layers}/{e.source_layers} layers, "
-            f"hidden {e.hidden_size}, heads {e.num_heads} (kv {e.num_kv_heads}) x {e.head_dim}, "
-            f"vocab {e.vocab_size}" + (f" (its head: {e.draft_vocab} draft tokens)" if e.draft_vocab else "")
+            f"hidden {e.hidden_size}, heads {e.num_heads} "
+            + (f"(kv {e.num_kv_heads}) x {e.head_dim}, " if len(set(e.kv_shapes)) == 1 else "(kv and width by layer: KV below), ")
+            + f"vocab {e.vocab_size}" + (f" (its head: {e.draft_vocab} draft tokens)" if e.draft_vocab else "")
             + f", {e.parameters / 1e6:.1f}M parameters, {e.dtype}",
             f"            KV: {2 * e.num_kv_layers} buffers " + ", ".join(
                 (f"{n} x " if len(set(e.kv_shapes)) > 1 else "") + f"[{'B' if m.max_batch > 1 else 1}, {heads}, "
