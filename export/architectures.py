@@ -14,8 +14,8 @@ from specdeploy.core.errors import ExportError
 
 # RoPE types whose angles are fixed per position: the graph computes cos/sin from the source's
 # inverse frequencies and attention scaling, exactly as its rotary module does ("proportional",
-# Gemma 4's full layers: frequencies of zero past partial_rotary_factor, dims that stay as they are). Types whose
-# frequencies depend on the sequence length reached (dynamic, longrope) are refused.
+# Gemma 4's full layers: frequencies of zero past partial_rotary_factor, dims that stay as they
+# are). Types whose frequencies depend on the sequence length reached (dynamic, longrope) are refused.
 ROPE_TYPES = ("default", "linear", "llama3", "yarn", "proportional")
 
 # Where a family's sliding window applies:

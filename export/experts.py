@@ -1,11 +1,13 @@
-"""A mixture of experts (gpt-oss) as two projections the graph and the quantizer already know.
+"""A mixture of experts (gpt-oss's MLP, Gemma 4's experts block) as three projections the graph
+and the quantizer already know.
 
-The source (transformers' GptOssMLP) routes each token to `num_experts_per_tok` of
+gpt-oss's source (transformers' GptOssMLP) routes each token to `num_experts_per_tok` of
 `num_local_experts` experts: router logits (a Linear with bias) -> top-k -> softmax over
 the k values; each chosen expert computes its gate|up projection (interleaved columns, with
 bias), clamps gate above and up on both sides at `swiglu_limit`, glu = gate *
 sigmoid(alpha * gate), (up + 1) * glu, then its down projection (with bias); the outputs
-are summed weighted by the routing weights.
+are summed weighted by the routing weights. Gemma 4's experts (beside its MLP) are the same
+with GELU-gated experts, no biases and its own router module (gemma4_experts, gemma4_routing).
 
 Here every expert's gate and up are one Linear each over all experts (E x I outputs), and the
 down projections one Linear over all experts' intermediates side by side (E x I inputs):
@@ -99,7 +101,7 @@ def gpt_oss_experts(mlp: nn.Module, cfg) -> DenseExperts:
 
 def gemma4_experts(experts: nn.Module) -> DenseExperts:
     """Gemma 4's experts block (gate|up concatenated [E, 2I, H], no bias; act(gate) * up; down
-    [E, H, I]); its router stays the source's module (the graph calls it: Gemma4MoE)."""
+    [E, H, I]); its router stays the source's module (SpecGraph._experts_beside calls it)."""
     gate_up, i = experts.gate_up_proj.detach(), experts.intermediate_dim  # [E, 2I, H]
     act = experts.act_fn
     return DenseExperts((_by_expert(gate_up[:, :i]), None), (_by_expert(gate_up[:, i:]), None),

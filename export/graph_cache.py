@@ -30,6 +30,7 @@ import tempfile
 from pathlib import Path
 from typing import Callable
 
+from specdeploy.core.errors import BundleError
 from specdeploy.core.manifest import ModelSpec
 
 SPEC = "entry.json"
@@ -73,7 +74,7 @@ class GraphCache:
             d = json.loads((entry / SPEC).read_text())
             spec = ModelSpec.from_dict(d["role"], d["spec"])
             shutil.copyfile(entry / spec.graph, work / spec.graph)
-        except (OSError, ValueError, KeyError, TypeError):
+        except (OSError, ValueError, KeyError, TypeError, BundleError):
             # absent, or not whole (entries appear whole, by a rename: this one was damaged since):
             # export it again, and let this export keep its graph there
             shutil.rmtree(entry, ignore_errors=True)

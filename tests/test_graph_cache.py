@@ -63,10 +63,14 @@ def test_any_other_choice_or_source_is_a_miss(change, models, tmp_path):
     assert any("checking parity" in line for line in lines)  # exported and checked again
 
 
-def test_an_entry_that_is_not_whole_is_a_miss(models, tmp_path):
+@pytest.mark.parametrize("damage", ["graph gone", "entry not a manifest entry"])
+def test_an_entry_that_is_not_whole_is_a_miss(damage, models, tmp_path):
     cache = tmp_path / "cache"
     _export(models["llama"], "ngram", tmp_path / "a", cache)
     (entry,) = [p for p in cache.iterdir() if not p.name.startswith(".")]
-    (entry / "target.onnx").unlink()
+    if damage == "graph gone":
+        (entry / "target.onnx").unlink()
+    else:
+        (entry / "entry.json").write_text('{"role": "target", "spec": {"graph": "../x"}}')
     assert _export(models["llama"], "ngram", tmp_path / "b", cache) == []
     assert GraphCache(cache).get(entry.name, tmp_path, models["llama"]) is not None  # kept again, whole
