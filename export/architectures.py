@@ -117,6 +117,11 @@ class Architecture:
             return [True] * cfg.num_hidden_layers
         return [bool(flag) for flag in getattr(cfg, self.rope_layers_field)]
 
+    def dense_experts(self, cfg) -> bool:
+        """Whether the model has experts export/experts.py makes dense: gpt-oss's MLP, or Gemma 4's
+        block beside it (enable_moe_block)."""
+        return self.experts or (self.layer_configs and bool(cfg.enable_moe_block))
+
     def fused(self, cfg) -> bool:
         """Whether ONNX Runtime's fused attention graph (GroupQueryAttention, which rotates every
         layer's q and k and has no sink input in the version we write) reproduces this model."""
@@ -222,8 +227,7 @@ def check_export(cfg, dtype: str, attention: str, what: str) -> None:
         raise ExportError(f"{what}: --dtype fp16: {arch.family}'s activations overflow float16 (its reference "
                           "runs in bfloat16 or float32); use fp32")
     if not arch.fused(cfg) and attention == "fused":
-        why = "its layers without positions" if arch.contrib_ops and not arch.sinks else \
-            "its attention sinks" if arch.contrib_ops else f"{arch.family}"
+        why = "its attention sinks" if arch.sinks else "its layers without positions" if arch.contrib_ops else arch.family
         raise ExportError(f"{what}: --attention fused: ONNX Runtime's fused attention graph is not implemented for "
                           f"{why}; use --attention exact")
 

@@ -197,7 +197,7 @@ def model_entry(graph: SpecGraph, source: Source, role: str, graph_file: str, dt
         role=role,
         graph=graph_file,
         source=str(Path(source.path).resolve()),
-        source_sha256=source_digest(source.path),
+        source_sha256=source.sha256,
         architecture=cfg.model_type,
         num_layers=graph.num_layers,
         source_layers=cfg.num_hidden_layers,
@@ -299,7 +299,7 @@ def source_graph(source: Source, dtype: str, num_layers: int | None = None, quan
     entering these layers (a target with an EAGLE-3 head)."""
     record = None
     vocab = source.head_vocab
-    experts = architecture(source.config).experts or bool(getattr(source.config, "enable_moe_block", False))
+    experts = architecture(source.config).dense_experts(source.config)
     model = copy.deepcopy(source.model) if dtype in SCHEMES or vocab or experts else source.model
     if experts:
         densify_experts(model)
@@ -522,7 +522,7 @@ def build_bundle(
             model_kv = KV_CHOICES[kv_dtype] if kv_dtype and role == "target" else None
             key = None
             if graphs is not None:
-                key = cache_key(source_digest(source.path), role=role, dtype=model_dtype, num_layers=num_layers,
+                key = cache_key(source.sha256, role=role, dtype=model_dtype, num_layers=num_layers,
                                 attention=model_attention, quant_scheme=scheme, device=device, aux_layers=aux,
                                 kv_dtype=model_kv, full_model=full_model, max_seq=max_seq, max_draft=max_draft,
                                 prefill_chunk=prefill_chunk, max_batch=max_batch)

@@ -57,6 +57,8 @@ def rms_norm(norm: nn.Module, x: torch.Tensor, eps: float, unit_offset: bool = F
     `unit_offset` (Gemma): (1 + w) * x^, multiplied in float32 and then cast, as its reference does."""
     x32 = x.float()
     normed = x32 / torch.sqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    if getattr(norm, "weight", None) is None:  # a norm without a scale (Gemma 4's v_norm)
+        return normed.to(x.dtype)
     if unit_offset:
         return (normed * (1.0 + norm.weight.float())).to(x.dtype)
     return norm.weight * normed.to(x.dtype)
@@ -219,7 +221,7 @@ class SpecGraph(nn.Module):
             self.kv_of_layer.append(producer[kinds[i]])
             self.keeps_kv.append(keeps)
         self.k_eq_v = [bool(cfg.attention_k_eq_v) and kind == "full_attention" for kind in kinds]
-        self.experts_beside = bool(cfg.enable_moe_block)  # each layer's experts block beside its MLP
+        self.experts_beside = self.arch.dense_experts(cfg)  # each layer's experts block beside its MLP
         self.per_layer_width = cfg.hidden_size_per_layer_input or 0
         if self.per_layer_width:
             self.embed_tokens_per_layer = base.embed_tokens_per_layer
@@ -359,8 +361,7 @@ class SpecGraph(nn.Module):
             v = k if self.k_eq_v[layer] else attn.v_proj(x).view(b, t, kv_heads, d)
             k = self._rms(attn.k_norm, k).transpose(1, 2)
             k = k * cos + _rotate_half(k) * sin
-            v32 = v.float()
-            v = (v32 / torch.sqrt(v32.pow(2).mean(-1, keepdim=True) + self.eps)).to(v.dtype).transpose(1, 2)
+            v = self._rms(attn.v_norm, v).transpose(1, 2)
         return attention_reference(q, k, v, key_cache, value_cache, write_indices, mask, self.scaling, write,
                                    softcap=self.attn_softcap)
 

@@ -1,6 +1,7 @@
 """Load a source model: a Hugging Face folder (safetensors) or a .gguf file."""
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.metadata
 import json
@@ -61,6 +62,11 @@ class Source:
     @property
     def config(self):
         return self.model.config
+
+    @functools.cached_property
+    def sha256(self) -> str:
+        """source_digest of the source's files, read once (a manifest entry and a graph cache key both want it)."""
+        return source_digest(self.path)
 
 
 def load_source(path: "str | Path | Source") -> Source:
