@@ -48,6 +48,10 @@ AUX_HIDDEN = "aux_hidden_states"
 DRAFT_HIDDEN = "draft_hidden"
 DRAFT_HIDDEN_OUT = "draft_hidden_out"
 FEATURE_INPUTS = (AUX_HIDDEN, DRAFT_HIDDEN)
+# A Gemma 4 assistant (export/assistant.py): the target's last hidden state it takes (the target's
+# AUX_HIDDEN, exported with aux_layers = [its layer count]), and its own state projected back
+ASSISTANT_HIDDEN = "target_hidden"
+ASSISTANT_STATE = "assistant_state"
 FEATURE_OUTPUTS = (AUX_HIDDEN, DRAFT_HIDDEN_OUT)
 
 

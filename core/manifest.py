@@ -27,7 +27,7 @@ FORMAT = "specdeploy-bundle"
 FORMAT_VERSION = 2  # 2: graphs take logits_rows (core/graph_io.py)
 READS_VERSIONS = (1, 2)
 MANIFEST = "manifest.json"
-DRAFT_KINDS = ("model", "self", "eagle3", "ngram", "suffix", "none")  # the one list: export's recipes, the runtime's drafters
+DRAFT_KINDS = ("model", "self", "eagle3", "assistant", "ngram", "suffix", "none")  # the one list: export's recipes, the runtime's drafters
 
 
 def one_class_per_draft_kind(classes, what: str) -> dict[str, type]:
@@ -36,7 +36,7 @@ def one_class_per_draft_kind(classes, what: str) -> dict[str, type]:
     lacks, or a class of an unknown or repeated kind, fails at import, naming it.
 
     >>> list(one_class_per_draft_kind([type(k, (), {"kind": k}) for k in reversed(DRAFT_KINDS)], "t"))
-    ['model', 'self', 'eagle3', 'ngram', 'suffix', 'none']
+    ['model', 'self', 'eagle3', 'assistant', 'ngram', 'suffix', 'none']
     """
     by_kind: dict[str, type] = {}
     for cls in classes:
@@ -122,6 +122,16 @@ def _kv_layout(value: list | None, num_layers: int, where: str) -> tuple[tuple[i
     return tuple(out)
 
 
+def _reads_kv(value: list | None, where: str) -> tuple[int, ...] | None:
+    """A manifest's reads_kv: 1..2 distinct indices of the target's KV pairs."""
+    if value is None:
+        return None
+    if not (1 <= len(value) <= 2 and all(type(j) is int and 0 <= j < MOST["num_layers"] for j in value)
+            and len(set(value)) == len(value)):
+        raise BundleError(f"{where}: field 'reads_kv' is {value!r:.60}; expected 1 or 2 distinct KV pair indices")
+    return tuple(value)
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     """One graph of the bundle (`models[role]`): the numbers needed to drive it, and the
@@ -159,16 +169,23 @@ class ModelSpec:
     # None: every layer, each num_kv_heads x head_dim. Models whose layers differ (Gemma 4: wider
     # heads on full-attention layers; layers that reuse an earlier layer's K/V keep none) state it.
     kv_layout: tuple[tuple[int, int], ...] | None = None
+    # a graph that keeps no K/V and reads the target's (a Gemma 4 assistant): the target's KV
+    # pairs it reads, by index into the target's buffers; None: a graph with buffers of its own
+    reads_kv: tuple[int, ...] | None = None
 
     @property
     def kv_shapes(self) -> list[tuple[int, int]]:
         """(num_kv_heads, head_dim) of each KV buffer, in kv_names' order (key, value per layer)."""
+        if self.reads_kv is not None:
+            return []
         layers = self.kv_layout or ((self.num_kv_heads, self.head_dim),) * self.num_layers
         return [tuple(shape) for shape in layers for _ in ("key", "value")]
 
     @property
     def num_kv_layers(self) -> int:
         """How many layers keep K/V (the graph's past/present pairs)."""
+        if self.reads_kv is not None:
+            return 0
         return len(self.kv_layout) if self.kv_layout else self.num_layers
 
     def kv_shape(self, i: int, batch: int, max_seq: int) -> tuple[int, int, int, int]:
@@ -229,6 +246,7 @@ class ModelSpec:
             trt=trt,
             attention=attention,
             kv_layout=_kv_layout(_take(d, "kv_layout", list, where, optional=True), ints["num_layers"], where),
+            reads_kv=_reads_kv(_take(d, "reads_kv", list, where, optional=True), where),
             **ints,
         )
 
@@ -247,6 +265,8 @@ class ModelSpec:
                 d[key] = getattr(self, key)
         if self.kv_layout is not None:
             d["kv_layout"] = [list(shape) for shape in self.kv_layout]
+        if self.reads_kv is not None:
+            d["reads_kv"] = list(self.reads_kv)
         return d
 
     @property
@@ -316,6 +336,8 @@ class DraftEntry:
             raise BundleError(f"{where}: field 'aux_layers' must be layer indices, got {entry.aux_layers!r:.60}")
         if kind == "eagle3" and (entry.vocab_map is None or not entry.aux_layers):
             raise BundleError(f"{where}: an eagle3 draft needs 'aux_layers' and 'vocab_map'")
+        if kind == "assistant" and not entry.aux_layers:
+            raise BundleError(f"{where}: an assistant draft needs 'aux_layers' (the target's final state)")
         if entry.layers is not None:
             _positive(entry.layers, "layers", where, MOST["num_layers"])
         for key in ("max_ngram", "min_ngram"):
@@ -430,7 +452,7 @@ class Manifest:
     def check_consistent(self, where: str) -> None:
         """Fields that contradict each other are a one-line error, never a guess."""
         target = self.models["target"]
-        graph_draft = self.draft.kind in ("model", "self", "eagle3")  # the kinds whose drafter runs a graph of the bundle
+        graph_draft = self.draft.kind in ("model", "self", "eagle3", "assistant")  # the kinds whose drafter runs a graph of the bundle
         if graph_draft != ("draft" in self.models):
             has = "has" if "draft" in self.models else "has no"
             raise BundleError(f"{where}: draft kind {self.draft.kind!r} but models {has} 'draft' entry")
@@ -442,6 +464,20 @@ class Manifest:
                                   f"[1, {self.max_seq}] (max_seq)")
         if self.draft.kind == "self" and self.draft.layers is not None and self.draft.layers > target.num_layers:
             raise BundleError(f"{where}: draft layers {self.draft.layers} is above the target's {target.num_layers}")
+        if self.draft.kind == "assistant":
+            from .graph_io import ASSISTANT_HIDDEN, AUX_HIDDEN
+
+            draft = self.models.get("draft")
+            if draft is None or draft.reads_kv is None or AUX_HIDDEN not in target.feature_outputs \
+                    or ASSISTANT_HIDDEN not in draft.inputs:
+                raise BundleError(f"{where}: an assistant draft needs a target that returns {AUX_HIDDEN} and a draft "
+                                  f"graph that takes {ASSISTANT_HIDDEN} and reads the target's K/V (re-export the bundle)")
+            if any(j >= target.num_kv_layers for j in draft.reads_kv):
+                raise BundleError(f"{where}: models.draft reads_kv {list(draft.reads_kv)} reach past the target's "
+                                  f"{target.num_kv_layers} KV pairs")
+            if target.feature_outputs[AUX_HIDDEN] != draft.inputs[ASSISTANT_HIDDEN][-1]:
+                raise BundleError(f"{where}: the target returns {AUX_HIDDEN} {target.feature_outputs[AUX_HIDDEN]} wide, "
+                                  f"the assistant takes {draft.inputs[ASSISTANT_HIDDEN][-1]}")
         if self.draft.kind == "eagle3":
             from .graph_io import AUX_HIDDEN
 
@@ -466,9 +502,10 @@ class Manifest:
     def kv_cost(self) -> str:
         """What --max-seq costs in memory, in words: the K/V of one sequence (each model's) and
         of every batch slot a batched server holds."""
-        parts = " + ".join(f"{role} {mib(m.kv_bytes(self.max_seq))} {m.kv_dtype}" for role, m in self.models.items())
+        keeping = {role: m for role, m in self.models.items() if m.num_kv_layers}  # an assistant reads the target's
+        parts = " + ".join(f"{role} {mib(m.kv_bytes(self.max_seq))} {m.kv_dtype}" for role, m in keeping.items())
         line = f"K/V {mib(self.kv_bytes())} per sequence at max_seq {self.max_seq}"
-        line += f" ({parts})" if len(self.models) > 1 else f" ({self.models['target'].kv_dtype})"
+        line += f" ({parts})" if len(keeping) > 1 else f" ({self.models['target'].kv_dtype})"
         if self.max_batch > 1:
             line += f", {mib(self.kv_bytes() * self.max_batch)} for {self.max_batch} batch slots (serve)"
         return line

@@ -486,6 +486,8 @@ def build_bundle(
         log(f"--for {device}: --dtype {dtype}")
         if kv_dtype is not None:
             check_kv_dtype(kv_dtype, dtype, attention, device)
+    if recipe.kind == "assistant" and draft_dtype is None:
+        draft_dtype = "fp32"  # the assistant's graph is fp32 (export/assistant.py), whatever the target's
     draft_dtype = dtype if draft_dtype is None else draft_dtype
     if kv_dtype is None and device == "cpu" and dtype in SCHEMES and attention == "exact":
         kv_dtype = CPU_INT_KV
@@ -496,11 +498,16 @@ def build_bundle(
         batched = dict(max_batch=max_batch)
 
         def export_model(source: Source, model_dtype: str, role: str = "draft", num_layers: int | None = None,
-                         full_model: bool = True, head=None) -> ModelSpec:
+                         full_model: bool = True, head=None, assistant=None) -> ModelSpec:
             if head is not None:  # an EAGLE-3 head: its own graph over the target's states
                 from .eagle3_export import export_head
 
                 return export_head(head, target_source, model_dtype, device=device, **common)
+            if assistant is not None:  # a Gemma 4 assistant: its graph over the target's K/V and state
+                from .assistant import export_assistant
+
+                return export_assistant(assistant, target_source, models["target"], model_dtype, device=device,
+                                        **common)
             if role == "target":
                 model_attention, scheme = attention, quant_scheme
             else:

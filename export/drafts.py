@@ -26,6 +26,7 @@ from specdeploy.core.manifest import DraftEntry, ModelSpec, one_class_per_draft_
 from .load import Source, load_source, same_tokenizer
 
 if TYPE_CHECKING:
+    from .assistant import Assistant
     from .eagle3 import Head
 
 # export one graph: (graph, source, role, dtype, full_model) -> its manifest entry (build.py)
@@ -215,12 +216,45 @@ class Eagle3Draft:
                           aux_layers=list(self.head.layers), vocab_map=VOCAB_MAP)
 
 
-RECIPES: tuple[type, ...] = (NoDraft, NgramDraft, SuffixDraft, SelfDraft, Eagle3Draft, ModelDraft)  # asked in order; a path last
+@dataclass
+class AssistantDraft:
+    """A Gemma 4 assistant (export/assistant.py): `assistant:PATH`, or PATH where its config says
+    so. It reads the target's K/V and final state, so the target's graph also returns that state."""
+
+    kind = "assistant"
+    path: Path
+    assistant: "Assistant | None" = field(default=None, repr=False)
+    aux_layers: tuple[int, ...] = ()
+
+    @classmethod
+    def parse(cls, text: str) -> "AssistantDraft | None":
+        from .assistant import is_assistant_folder
+
+        if text.startswith("assistant:"):
+            return cls(Path(text[len("assistant:"):]))
+        return cls(Path(text)) if is_assistant_folder(Path(text)) else None
+
+    def prepare(self, target: Source, log: Callable[[str], None]) -> None:
+        from .assistant import load_assistant
+
+        log(f"loading Gemma 4 assistant {self.path}")
+        self.assistant = load_assistant(self.path, target.config)
+        self.aux_layers = (target.config.num_hidden_layers,)  # Hugging Face's hidden_states[-1]
+
+    def export(self, target: Source, dtype: str, export_model: ExportModel) -> ModelSpec:
+        return export_model(target, dtype, assistant=self.assistant)
+
+    def entry(self) -> DraftEntry:
+        return DraftEntry("assistant", source=str(self.path.resolve()), aux_layers=list(self.aux_layers))
+
+
+RECIPES: tuple[type, ...] = (NoDraft, NgramDraft, SuffixDraft, SelfDraft, Eagle3Draft, AssistantDraft,
+                             ModelDraft)  # asked in order; a path last
 one_class_per_draft_kind(RECIPES, "export's draft recipes")  # one recipe per kind of DRAFT_KINDS
 
 
 def parse_draft(text: str | None) -> DraftRecipe:
-    """`PATH`, `self:layers=N`, `ngram`, `suffix` or `none` (None: none)."""
+    """`PATH`, `assistant:PATH`, `self:layers=N`, `ngram`, `suffix` or `none` (None: none)."""
     for recipe in RECIPES:
         found = recipe.parse("none" if text is None else text)
         if found is not None:

@@ -381,26 +381,14 @@ class SpecGraph(nn.Module):
         behind = position_ids[:, None, None, :, None] - slots  # [B, 1, 1, T, L]
         return mask.masked_fill(behind >= window, float("-inf"))
 
-    def forward(self, input_ids, position_ids, write_indices, attention_mask, past: list[torch.Tensor],
-                logits_rows: torch.Tensor | None = None):
-        """`logits_rows` [R]: the rows whose logits are returned (None: every row)."""
-        b, t = input_ids.shape
-        if self.embed_scale is None:
-            h = self.embed_tokens(input_ids)
-        elif isinstance(self.embed_tokens, QuantEmbedding):  # the fast scheme's 4-bit table: float32 rows
-            h = self.embed_tokens(input_ids) * torch.tensor(self.embed_scale, dtype=torch.float32)
-        else:  # the lookup, then the scale rounded to the weights' dtype, as the source's embedding does
-            weight = self.embed_tokens.weight
-            h = nn.functional.embedding(input_ids, weight) * torch.tensor(self.embed_scale, dtype=weight.dtype)
-        per_layer = self._per_layer_inputs(input_ids, h) if self.per_layer_width else None
+    def decode(self, h, per_layer, position_ids, write_indices, attention_mask, masks: dict, past: list[torch.Tensor]):
+        """The layers over the embedded rows `h` [B, T, H] -> (the final norm's output, the KV
+        buffers as the pass left them, the states `aux_layers` asks for). `masks`: the additive
+        mask of each window (None: full attention), as attention_reference reads it."""
         ropes = {}
         if not self.contrib_ops:
             for name in dict.fromkeys(self.rope_of_layer):
                 ropes[name] = self._rope(getattr(self, name), self.rope_scales[name], position_ids, h.dtype)
-        mask = attention_mask[:, :, None].to(h.dtype)  # [B, 1, 1, T, L]
-        masks = {None: mask}
-        for window in dict.fromkeys(w for w in self.windows if w is not None):
-            masks[window] = self._window_mask(mask, position_ids, window)
         norms = self.arch.norms
         caches, aux = list(past), []  # each KV pair as the layers before have left it in this pass
         delta = None  # the last block's output, not yet added to the residual stream h
@@ -426,6 +414,27 @@ class SpecGraph(nn.Module):
             if self.arch.layer_configs:
                 h, delta = self._layer_end(i, layer, h + delta, per_layer), None
         x, h = self._norm(self.norm, h, delta)
+        if self.num_layers in self.aux_layers:  # Hugging Face's hidden_states[-1]: the final norm's output
+            aux.append(x.float())
+        return x, caches, aux
+
+    def forward(self, input_ids, position_ids, write_indices, attention_mask, past: list[torch.Tensor],
+                logits_rows: torch.Tensor | None = None):
+        """`logits_rows` [R]: the rows whose logits are returned (None: every row)."""
+        b, t = input_ids.shape
+        if self.embed_scale is None:
+            h = self.embed_tokens(input_ids)
+        elif isinstance(self.embed_tokens, QuantEmbedding):  # the fast scheme's 4-bit table: float32 rows
+            h = self.embed_tokens(input_ids) * torch.tensor(self.embed_scale, dtype=torch.float32)
+        else:  # the lookup, then the scale rounded to the weights' dtype, as the source's embedding does
+            weight = self.embed_tokens.weight
+            h = nn.functional.embedding(input_ids, weight) * torch.tensor(self.embed_scale, dtype=weight.dtype)
+        per_layer = self._per_layer_inputs(input_ids, h) if self.per_layer_width else None
+        mask = attention_mask[:, :, None].to(h.dtype)  # [B, 1, 1, T, L]
+        masks = {None: mask}
+        for window in dict.fromkeys(w for w in self.windows if w is not None):
+            masks[window] = self._window_mask(mask, position_ids, window)
+        x, caches, aux = self.decode(h, per_layer, position_ids, write_indices, attention_mask, masks, past)
         if logits_rows is not None:
             x = x.index_select(1, logits_rows)  # one Gather: the head reads R rows, not T
         logits = self.lm_head(x)

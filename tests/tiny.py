@@ -180,6 +180,42 @@ def make_eagle3_head(folder: Path, target: Path, draft_vocab: int = 96, seed: in
     return folder
 
 
+def make_gemma4_assistant(folder: Path, target: Path, seed: int = 0, layers: int = 2, ordered: bool = True,
+                          hidden_size: int = 48, sliding_window: int = 8, **overrides):
+    """A random Gemma 4 assistant for the tiny Gemma 4 folder `target`, in the published layout
+    (Gemma4AssistantForCausalLM's config.json and weights): its layers alternating sliding and
+    full, each shaped like the target's K/V it reads; with `ordered`, a centroid-masked head
+    over a random token ordering (the published assistants' use_ordered_embeddings)."""
+    import torch
+    import transformers
+    from transformers import AutoConfig
+
+    t = AutoConfig.from_pretrained(target)
+    full = t.per_layer_config[t.layer_types.index("full_attention")]
+    text = dict(t.to_dict(), global_head_dim=full.head_dim, num_global_key_value_heads=full.num_key_value_heads)
+    for key in ("architectures", "model_type", "transformers_version", "per_layer_config", "dtype", "torch_dtype",
+                "layer_types", "num_kv_shared_layers"):
+        text.pop(key, None)
+    text.update(hidden_size=hidden_size, intermediate_size=2 * hidden_size, num_hidden_layers=layers,
+                hidden_size_per_layer_input=0, vocab_size_per_layer_input=0, use_double_wide_mlp=False,
+                enable_moe_block=False, sliding_window=sliding_window, final_logit_softcapping=None,
+                layer_types=[("sliding" if i % 2 == 0 else "full") + "_attention" for i in range(layers)])
+    text.update(overrides)
+    text_config = transformers.Gemma4TextConfig(**text)
+    config = transformers.Gemma4AssistantConfig(
+        text_config=text_config, backbone_hidden_size=t.hidden_size, use_ordered_embeddings=ordered,
+        num_centroids=16, centroid_intermediate_top_k=4)
+    torch.manual_seed(seed)
+    model = transformers.Gemma4AssistantForCausalLM(config).eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.layer_scalar.data.uniform_(0.5, 1.5)
+        if ordered:
+            model.masked_embedding.token_ordering.copy_(torch.randperm(t.vocab_size))
+    model.save_pretrained(folder)
+    return model
+
+
 VOCAB = 16  # the distribution tests' tiny models (conftest.py small_vocab)
 
 

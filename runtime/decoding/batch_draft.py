@@ -125,8 +125,9 @@ class BatchDraft:
 
 
 class SlotStates:
-    """One KV slot of a batched EAGLE-3 target as its lane's head reads it: the hidden states the
-    batch's passes wrote at that slot's positions (what `Eagle3Drafter` reads as `target.features`)."""
+    """One KV slot of a batched target as its lane's head reads it: the hidden states the batch's
+    passes wrote at that slot's positions (what `Eagle3Drafter` reads as `target.features`), and
+    for a Gemma 4 assistant the slot's K/V."""
 
     def __init__(self, target, slot: int):
         self.target, self.slot = target, slot
@@ -135,6 +136,11 @@ class SlotStates:
     @property
     def features(self) -> np.ndarray:
         return self.target.features[self.slot]
+
+    @property
+    def kv_arrays(self) -> list[np.ndarray]:
+        """The slot's K/V in the batch's buffers, [1, Hkv, S, D] each (what a Gemma 4 assistant reads)."""
+        return [buffer[self.slot : self.slot + 1] for buffer in self.target.kv]
 
 
 class BatchHeads:

@@ -30,6 +30,8 @@ def describe(bundle: Bundle) -> str:
             + (f"(kv {e.num_kv_heads}) x {e.head_dim}, " if len(set(e.kv_shapes)) == 1 else "(kv and width by layer: KV below), ")
             + f"vocab {e.vocab_size}" + (f" (its head: {e.draft_vocab} draft tokens)" if e.draft_vocab else "")
             + f", {e.parameters / 1e6:.1f}M parameters, {e.dtype}",
+            f"            KV: none of its own; reads the target's pairs {list(e.reads_kv)} where they lie"
+            + (f", sliding window {e.sliding_window}" if e.sliding_window else "") if e.reads_kv is not None else
             f"            KV: {2 * e.num_kv_layers} buffers " + ", ".join(
                 (f"{n} x " if len(set(e.kv_shapes)) > 1 else "") + f"[{'B' if m.max_batch > 1 else 1}, {heads}, "
                 f"{m.max_seq}, {dim}]" for (heads, dim), n in Counter(e.kv_shapes).items()) + " "

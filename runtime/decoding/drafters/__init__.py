@@ -13,8 +13,8 @@ adding it there, a class and a line here (and a recipe on the export side). The 
 - `fused_with(target)`: whether `propose_and_verify` can run the whole round on the device
   with one host synchronisation; it then returns the round's `Proposal` and `Checked`.
 - `reads_target`, with `attach(target)`: a drafter that reads the target engine's state (an
-  EAGLE-3 head reads its hidden states) is given it once the session has made it, and again in
-  a fork;
+  EAGLE-3 head reads its hidden states, a Gemma 4 assistant those and its K/V) is given it once
+  the session has made it, and again in a fork;
 - `model_free`: no graph of its own (a lookup on the host); `backends`: the backends it runs on
   (None: every one);
 - optional, a drafter that proposes token trees (runtime/tree.py): `propose_tree(ids, budget,
@@ -33,6 +33,7 @@ from specdeploy.core.manifest import Bundle, DraftEntry, one_class_per_draft_kin
 from specdeploy.runtime.backends import BackendChoice
 from specdeploy.runtime.decoding.engine import Checked, Engine
 from specdeploy.runtime.decoding.sampling import SamplingParams
+from specdeploy.runtime.decoding.drafters.assistant import AssistantDrafter
 from specdeploy.runtime.decoding.drafters.eagle3 import Eagle3Drafter
 from specdeploy.runtime.decoding.drafters.model import ModelDrafter, SelfDrafter
 from specdeploy.runtime.decoding.drafters.ngram import NgramDrafter, lookup
@@ -96,7 +97,7 @@ class NoDraft:
 
 
 DRAFTERS: dict[str, type] = one_class_per_draft_kind(
-    (ModelDrafter, SelfDrafter, Eagle3Drafter, NgramDrafter, SuffixDrafter, NoDraft), "the runtime's drafters")
+    (ModelDrafter, SelfDrafter, Eagle3Drafter, AssistantDrafter, NgramDrafter, SuffixDrafter, NoDraft), "the runtime's drafters")
 
 
 def drafter_class(kind: str) -> type:
@@ -111,5 +112,5 @@ def make_drafter(bundle: Bundle, backend: BackendChoice | str, threads: int | No
     return drafter_class(bundle.draft_kind).from_bundle(bundle, backend, threads)
 
 
-__all__ = ["DRAFTERS", "Drafter", "Eagle3Drafter", "ModelDrafter", "NgramDrafter", "NoDraft", "Proposal", "SelfDrafter",
+__all__ = ["AssistantDrafter", "DRAFTERS", "Drafter", "Eagle3Drafter", "ModelDrafter", "NgramDrafter", "NoDraft", "Proposal", "SelfDrafter",
            "SuffixDrafter", "SuffixIndex", "drafter_class", "lookup", "make_drafter"]
