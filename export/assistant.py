@@ -29,7 +29,6 @@ import numpy as np
 import torch
 from torch import nn
 
-from specdeploy.core.choices import KV_DTYPE
 from specdeploy.core.errors import ExportError
 from specdeploy.core.graph_io import ASSISTANT_HIDDEN, ASSISTANT_STATE
 from specdeploy.core.manifest import ModelSpec
@@ -214,7 +213,7 @@ class AssistantGraph(nn.Module):
         return out.scatter(-1, tokens, chosen)
 
 
-def assistant_entry(assistant: Assistant, graph: AssistantGraph, target_spec: ModelSpec, max_seq: int) -> ModelSpec:
+def assistant_entry(assistant: Assistant, target_spec: ModelSpec, max_seq: int) -> ModelSpec:
     text, cfg = assistant.text_config, assistant.config
     kv = {name: [1, *target_spec.kv_shapes[2 * j][:1], max_seq, target_spec.kv_shapes[2 * j][1]]
           for name, j in zip(kv_names(assistant.reads), [j for j in assistant.reads for _ in (0, 1)])}
@@ -314,7 +313,7 @@ def export_assistant(assistant: Assistant, target: Source, target_spec: ModelSpe
                           "now; use --for cpu")
     t0 = time.perf_counter()
     graph = AssistantGraph(assistant, target).eval()
-    spec = assistant_entry(assistant, graph, target_spec, max_seq)
+    spec = assistant_entry(assistant, target_spec, max_seq)
     export_graph(graph, work / GRAPH_FILE, spec, max_seq)
     table = graph.embed_weight
     log(f"  draft: exported the Gemma 4 assistant ({assistant.text_config.num_hidden_layers} layers reading the "
