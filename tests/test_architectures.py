@@ -42,7 +42,7 @@ FAMILIES = {
     "gemma2": ("gemma2", dict()),  # tiny.FAMILY_DEFAULTS: head_dim 24, window 24, soft-caps 5 and 4
     "gemma3": ("gemma3_text", dict(rope_scaling={"rope_type": "linear", "factor": 2.0})),  # global rope scaled
     "smollm3": ("smollm3", dict()),  # tiny.FAMILY_DEFAULTS: the middle layer without positions, sliding
-    "gpt_oss": ("gpt_oss", dict()),  # 2 of 4 experts a token, sinks, biases, yarn, sliding and full layers
+    "gpt_oss": ("gpt_oss", dict()),  # 2 of 8 experts a token, sinks, biases, yarn, sliding and full layers
     "gemma4": ("gemma4_text", dict()),  # tiny.FAMILY_DEFAULTS and make_model: every feature of the text model
 }
 

@@ -116,9 +116,9 @@ FAMILY_DEFAULTS = {
                         rope_theta=40000.0, rope_local_base_freq=1000.0, hidden_activation="gelu_pytorch_tanh"),
     # every second layer without positions (3 layers: rope, none, rope), those sliding
     "smollm3": dict(no_rope_layer_interval=2, use_sliding_window=True, sliding_window=24),
-    # 4 experts, 2 a token, 32 wide (the experts' intermediates side by side: 128); sliding and
+    # 8 experts, 2 a token, 32 wide (the experts' intermediates side by side: 256); sliding and
     # full layers alternating, yarn rope (the family's default), attention biases and sinks
-    "gpt_oss": dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=32, sliding_window=24),
+    "gpt_oss": dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=32, sliding_window=24),
     # every feature of the text model the graph reproduces at once: sliding (16-wide heads, 2 of
     # them) and full layers (32-wide, 1 head, v = k, proportional rope over a quarter); the last
     # layers reading the K/V of the last earlier layer of their type; their MLP twice as wide;
