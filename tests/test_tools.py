@@ -11,7 +11,9 @@ import pytest
 import tiny
 from specdeploy.runtime import Session
 from specdeploy.runtime.decoding.batch import BatchSession
-from specdeploy.runtime.decoding.tools import call_grammar, check_tools, content_before_calls, parse_calls, tool_format
+from specdeploy.runtime.decoding.request import message_of
+from specdeploy.runtime.decoding.tools import (call_grammar, call_id, check_tools, content_before_calls, parse_calls,
+                                               tool_format)
 from loopback import Server
 
 openai = pytest.importorskip("openai")
@@ -44,6 +46,30 @@ LLAMA_TEMPLATE = (
     "{%- else %}<|im_start|>{{ message.role }}\n{{ message.content }}<|im_end|>\n{%- endif %}"
     "{%- endfor %}{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
+# Mistral 7B v0.3's form (its template abridged): the tools before the last user turn, calls as a
+# JSON array after [TOOL_CALLS], each with its 9-character id, which the template insists on.
+MISTRAL_TEMPLATE = (
+    "{%- set ns = namespace(last=0) %}{%- for m in messages %}{%- if m.role == 'user' %}"
+    "{%- set ns.last = loop.index0 %}{%- endif %}{%- endfor %}"
+    "{%- for message in messages %}"
+    "{%- if message.role == 'user' %}"
+    "{%- if tools and loop.index0 == ns.last %}[AVAILABLE_TOOLS] [{%- for tool in tools %}{{ tool | tojson }}"
+    "{%- if not loop.last %}, {% endif %}{%- endfor %}][/AVAILABLE_TOOLS]{%- endif %}"
+    "[INST] {{ message.content }}[/INST]"
+    "{%- elif message.role == 'assistant' and message.tool_calls %}[TOOL_CALLS] ["
+    "{%- for call in message.tool_calls %}"
+    "{%- if call.id is not defined or call.id | length != 9 %}"
+    "{{- raise_exception('Tool call IDs should be alphanumeric strings with length 9!') }}{%- endif %}"
+    "{\"name\": \"{{ call.function.name }}\", \"arguments\": {{ call.function.arguments | tojson }}, "
+    "\"id\": \"{{ call.id }}\"}{%- if not loop.last %}, {% endif %}{%- endfor %}]</s>"
+    "{%- elif message.role == 'tool' %}"
+    "{%- if message.tool_call_id is not defined or message.tool_call_id | length != 9 %}"
+    "{{- raise_exception('Tool call IDs should be alphanumeric strings with length 9!') }}{%- endif %}"
+    "[TOOL_RESULTS] {\"content\": {{ message.content | tojson }}, \"call_id\": \"{{ message.tool_call_id }}\"}"
+    "[/TOOL_RESULTS]"
+    "{%- else %} {{ message.content }}</s>{%- endif %}"
+    "{%- endfor %}"
+)
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city",
     "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
@@ -75,6 +101,11 @@ def llama_bundle(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def mistral_bundle(tmp_path_factory):
+    return _bundle(tmp_path_factory.mktemp("mistral_tools"), MISTRAL_TEMPLATE)
+
+
+@pytest.fixture(scope="module")
 def server(tool_bundle):
     batch = BatchSession(tool_bundle, batch=3)
     with Server(batch) as s:
@@ -88,7 +119,9 @@ def test_the_template_decides_the_format_and_calls_parse_back():
     assert parse_calls('<|python_tag|>{"name": "f", "parameters": {"a": 1}}', "llama")[1][0].arguments == '{"a": 1}'
     assert parse_calls('Sure, {"name": "f"} is a call', "llama") == ('Sure, {"name": "f"} is a call', [])
     assert content_before_calls(' {"na', "llama") == 0 and content_before_calls("Hello", "llama") == 5
-    assert tool_format("{% for t in tools %}[TOOL_CALLS]{% endfor %}") == ""
+    assert tool_format(MISTRAL_TEMPLATE) == "mistral"
+    assert tool_format("{% for t in tools %}[TOOL_CALLS]{{ t.name }}[ARGS]{% endfor %}") == ""  # Mistral's later form
+    assert tool_format("{% for t in tools %}<|channel|>commentary{% endfor %}") == ""  # harmony
     text = 'ok <tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call> <tool_call>{"bad json</tool_call>'
     content, calls = parse_calls(text)
     assert [(c.name, json.loads(c.arguments)) for c in calls] == [("f", {"a": 1})]
@@ -98,12 +131,26 @@ def test_the_template_decides_the_format_and_calls_parse_back():
     assert content_before_calls("caf\ufffd") == 3 and content_before_calls("no call") == 7
     grammar = call_grammar(check_tools([WEATHER, TIME]), "get_time", "hermes", set())
     assert "get_time" in grammar and "get_weather" not in grammar
+    # Mistral's: an array after the marker, an id kept out of the arguments, text around it content
+    text = 'Let me look. [TOOL_CALLS] [{"name": "f", "arguments": {"a": 1}, "id": "abcDEF123"}, {"name": "g"}] done'
+    content, calls = parse_calls(text, "mistral")
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [("f", {"a": 1}), ("g", {})]
+    assert content == "Let me look.  done"
+    assert parse_calls("[TOOL_CALLS] [{oops", "mistral") == ("[TOOL_CALLS] [{oops", [])
+    assert content_before_calls("Sure [TOOL_", "mistral") == len("Sure ")
+    assert content_before_calls("Sure [TOOL_CALLS] [", "mistral") == len("Sure ")
+    # a marker the tokenizer holds as a special token is named by its id (llguidance's <[id]>)
+    assert call_grammar(check_tools([TIME]), "required", "mistral", {5: "[TOOL_CALLS]"}).startswith("start: <[5]> ")
+    assert call_grammar(check_tools([TIME]), "required", "mistral", {}).startswith('start: "[TOOL_CALLS]" ')
+    assert call_grammar(check_tools([TIME]), "required", "hermes", {7: "<tool_call>", 8: "</tool_call>"}).startswith(
+        "start: <tool_call> ")
+    assert len(call_id("mistral")) == 9 and call_id("mistral").isalnum() and call_id("hermes").startswith("call_")
 
 
-@pytest.mark.parametrize("form", ["hermes", "llama"])
+@pytest.mark.parametrize("form", ["hermes", "llama", "mistral"])
 @pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
-def test_a_forced_call_is_exact_under_speculation_and_parses(tool_bundle, llama_bundle, choice, form):
-    session = Session(tool_bundle if form == "hermes" else llama_bundle)
+def test_a_forced_call_is_exact_under_speculation_and_parses(tool_bundle, llama_bundle, mistral_bundle, choice, form):
+    session = Session({"hermes": tool_bundle, "llama": llama_bundle, "mistral": mistral_bundle}[form])
     kw = dict(messages=ASK, tools=[WEATHER, TIME], tool_choice=choice, max_new_tokens=200)
     plain = session.generate(speculate=False, **kw)
     content, calls = session.tool_calls(plain.token_ids)
@@ -174,6 +221,35 @@ def test_llama_form_round_trip_through_the_client(llama_bundle):
             again = client.chat.completions.create(model="tiny", messages=follow, max_tokens=8, temperature=0)
             assert again.choices[0].message.content == Session(llama_bundle).generate(messages=follow,
                                                                                        max_new_tokens=8).text
+    finally:
+        batch.close()
+
+
+def test_mistral_form_round_trip_through_the_client(mistral_bundle):
+    """The call's id is Mistral's 9 characters, so its template takes the follow-up (it raises on
+    any other id); streamed, the content before the marker arrives as it comes."""
+    batch = BatchSession(mistral_bundle, batch=2)
+    try:
+        with Server(batch) as server:
+            client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused")
+            out = client.chat.completions.create(model="tiny", messages=ASK, tools=[WEATHER, TIME],
+                                                 tool_choice="required", max_tokens=200, temperature=0)
+            choice = out.choices[0]
+            call = choice.message.tool_calls[0]
+            assert choice.finish_reason == "tool_calls" and len(choice.message.tool_calls) == 1
+            assert len(call.id) == 9 and call.id.isalnum() and choice.message.content is None
+            json.loads(call.function.arguments)
+            follow = ASK + [{"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+                            {"role": "tool", "tool_call_id": call.id, "content": '{"celsius": 18}'}]
+            again = client.chat.completions.create(model="tiny", messages=follow, max_tokens=8, temperature=0)
+            session = Session(mistral_bundle)
+            assert again.choices[0].message.content == session.generate(messages=follow, max_new_tokens=8).text
+            turns = [message_of(m).for_template() for m in follow]
+            rendered = session.tokenizer.decode(session.encode_messages(turns), skip_special_tokens=False)
+            assert f'"call_id": "{call.id}"' in rendered and "[TOOL_CALLS] [" in rendered
+            bad = [follow[0], {**follow[1], "tool_calls": [{**call.model_dump(), "id": "call_123"}]}, follow[2]]
+            r = httpx.post(server.url + "/v1/chat/completions", json={"messages": bad, "max_tokens": 4})
+            assert r.status_code == 400 and "length 9" in r.json()["error"]["message"], r.text  # the template's own refusal
     finally:
         batch.close()
 

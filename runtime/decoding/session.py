@@ -18,7 +18,8 @@ from specdeploy.runtime.backends import BackendChoice, Device, make_engine
 from specdeploy.runtime.backends.ort import settle_thread_pool, thread_pool_choice
 from specdeploy.runtime.decoding.accept import Judge, TokenLogprob
 from specdeploy.runtime.decoding.grammar import Grammars
-from specdeploy.runtime.decoding.tools import CLOSE, OPEN, ToolCall, call_grammar, parse_calls, tool_format
+from specdeploy.runtime.decoding.tools import (CLOSE, MISTRAL_CALLS, OPEN, ToolCall, call_grammar, parse_calls,
+                                               tool_format)
 from specdeploy.runtime.decoding.drafters import drafter_class, make_drafter
 from specdeploy.runtime.decoding.loop import DecodeSettings, PromptCache, decode
 from specdeploy.runtime.decoding.policy import DraftLength, TreeSize
@@ -239,9 +240,8 @@ class Prompts:
             if req.structure is not None:
                 raise RequestError(f"{labels.get('tool_choice', 'tool_choice')} {req.tool_choice!r} writes a tool "
                                    "call: it cannot be given with a structure", "tool_choice")
-            specials = set(self.tokenizer.special_tokens.values())
             req = replace(req, structure=Structure("grammar", call_grammar(req.tools, req.tool_choice, self.tool_form,
-                                                                           specials)))
+                                                                           self.tokenizer.special_tokens)))
         if req.structure is not None:
             req = replace(req, grammar=self.grammars.compile(req.structure, labels.get("structure", "structure")))
         return replace(req, prepared=True)
@@ -263,7 +263,8 @@ class Prompts:
             raise RequestError(f"{label}: this bundle's chat template has no tool format", "tools")
         if not form:
             raise RequestError(f"{label}: this bundle's chat template writes tool calls in a form not read here "
-                               f"(read: Hermes' {OPEN} JSON {CLOSE}, Llama 3's JSON with \"parameters\")", "tools")
+                               f"(read: Hermes' {OPEN} JSON {CLOSE}, Llama 3's JSON with \"parameters\", Mistral's "
+                               f"{MISTRAL_CALLS} [JSON])", "tools")
         tools = [json.loads(t) for t in req.tools]
         for i, tool in enumerate(tools):
             text = req.tools[i]

@@ -2,21 +2,28 @@
 family's tool format), the calls the model writes parsed back, and `tool_choice` "required" or
 a named function enforced by a grammar.
 
-The format is read from the template, never guessed from the text (`tool_format`). Two
+The format is read from the template, never guessed from the text (`tool_format`). Three
 families are read: the Hermes form (Qwen 2.5/3, SmolLM3, Hermes, and many fine-tunes), each call
-a JSON object `{"name": ..., "arguments": {...}}` between `<tool_call>` and `</tool_call>`; and
+a JSON object `{"name": ..., "arguments": {...}}` between `<tool_call>` and `</tool_call>`;
 Llama 3.1-3.3's JSON form, the whole answer one object `{"name": ..., "parameters": {...}}`
-(after `<|python_tag|>` where the model writes it). A template that takes tools in another form
-(Mistral's `[TOOL_CALLS]`, gpt-oss's harmony), or none, gets a one-line refusal naming the field.
+(after `<|python_tag|>` where the model writes it); and Mistral's (7B v0.3, Nemo, Small 22B,
+Large 2, Mixtral 8x22B), a JSON array of `{"name": ..., "arguments": {...}}` after
+`[TOOL_CALLS]`, each call's id 9 letters or digits (their templates refuse any other). A
+template that takes tools in another form (Mistral's later `name[ARGS]{...}`, gpt-oss's harmony,
+Gemma 4's), or none, gets a one-line refusal naming the field.
 """
 from __future__ import annotations
 
 import json
 import re
+import secrets
+import string
 from typing import NamedTuple
 
-HERMES, LLAMA = "hermes", "llama"
+HERMES, LLAMA, MISTRAL = "hermes", "llama", "mistral"
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
+MISTRAL_CALLS, MISTRAL_ARGS = "[TOOL_CALLS]", "[ARGS]"  # the second: Mistral's later form, not read
+MARKER = {HERMES: OPEN, MISTRAL: MISTRAL_CALLS}  # where a form's calls begin
 PYTHON_TAG = "<|python_tag|>"
 LLAMA_MARK = '"parameters": dictionary of argument name'  # Llama 3.1-3.3 templates ask for calls so
 NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
@@ -68,21 +75,41 @@ def check_tool_choice(value) -> str:
 
 
 def tool_format(template: str | None) -> str | None:
-    """The template's tool format: HERMES or LLAMA, None where it takes no tools, "" where it
-    takes them in a form not read here."""
+    """The template's tool format: HERMES, LLAMA or MISTRAL, None where it takes no tools, ""
+    where it takes them in a form not read here."""
     if not template or "tools" not in template:
         return None
     if OPEN in template:
         return HERMES
+    if MISTRAL_CALLS in template:
+        return "" if MISTRAL_ARGS in template else MISTRAL
     return LLAMA if LLAMA_MARK in template else ""
+
+
+def call_id(form: str | None) -> str:
+    """A new call's id as the form's template takes it back: Mistral's 9 letters or digits,
+    else OpenAI's `call_` and 24 hex digits."""
+    if form == MISTRAL:
+        return "".join(secrets.choice(string.ascii_letters + string.digits) for _ in range(9))
+    return f"call_{secrets.token_hex(12)}"
+
+
+def _literal(text: str, specials) -> str:
+    """`text` in a Lark grammar: a special token of the tokenizer's as llguidance names one
+    (`<tool_call>` as itself, another by its id, `<[5]>`), else as quoted text. `specials`:
+    {id: text} (or a set of texts)."""
+    ids = {v: k for k, v in specials.items()} if isinstance(specials, dict) else dict.fromkeys(specials)
+    if text not in ids:
+        return json.dumps(text)
+    return text if text.startswith("<") and text.endswith(">") or ids[text] is None else f"<[{ids[text]}]>"
 
 
 def call_grammar(tools: tuple[str, ...], choice: str, form: str, specials) -> str:
     """A Lark grammar (llguidance's, with %json) for one call the choice allows: any tool's
     ("required") or the named one's, arguments by its parameters' schema, on one line, in the
-    template's `form`. `specials`: the tokenizer's special-token strings (a marker that is one is
-    written <tool_call>, else as text)."""
-    key = "arguments" if form == HERMES else "parameters"
+    template's `form`. `specials`: the tokenizer's special tokens, {id: text} (a marker that is one
+    is written as that token, else as text)."""
+    key = "parameters" if form == LLAMA else "arguments"
     options = []
     for text in tools:
         fn = json.loads(text)["function"]
@@ -96,8 +123,9 @@ def call_grammar(tools: tuple[str, ...], choice: str, form: str, specials) -> st
     call = f"call: %json {json.dumps(schema)}\n"
     if form == LLAMA:
         return "start: call\n" + call
-    open_, close = (OPEN, CLOSE) if OPEN in specials else (json.dumps(OPEN), json.dumps(CLOSE))
-    return f'start: {open_} "\\n" call "\\n" {close}\n' + call
+    if form == MISTRAL:  # as its templates write calls: "[TOOL_CALLS] [" call "]"
+        return f'start: {_literal(MISTRAL_CALLS, specials)} " [" call "]"\n' + call
+    return f'start: {_literal(OPEN, specials)} "\\n" call "\\n" {_literal(CLOSE, specials)}\n' + call
 
 
 def _call(obj) -> ToolCall | None:
@@ -120,6 +148,8 @@ def parse_calls(text: str, form: str = HERMES) -> tuple[str, list[ToolCall]]:
             return text, []
         calls = [_call(o) for o in (obj if isinstance(obj, list) else [obj])]
         return ("", calls) if calls and None not in calls else (text, [])
+    if form == MISTRAL:
+        return _parse_mistral(text)
     calls, kept, pos = [], [], 0
     for m in CALL.finditer(text):
         try:
@@ -131,6 +161,28 @@ def parse_calls(text: str, form: str = HERMES) -> tuple[str, list[ToolCall]]:
         calls.append(call)
         kept.append(text[pos:m.start()])
         pos = m.end()
+    kept.append(text[pos:])
+    return "".join(kept) if calls else text, calls
+
+
+def _parse_mistral(text: str) -> tuple[str, list[ToolCall]]:
+    """Each `[TOOL_CALLS]` followed by a JSON array (or one object) of calls; a marker whose JSON
+    does not read as calls stays content, as Hermes' blocks do."""
+    decoder, calls, kept, pos = json.JSONDecoder(), [], [], 0
+    at = text.find(MISTRAL_CALLS)
+    while at >= 0:
+        start = at + len(MISTRAL_CALLS)
+        body = start + len(text[start:]) - len(text[start:].lstrip())
+        try:
+            obj, end = decoder.raw_decode(text, body)
+        except ValueError:
+            obj, end = None, start
+        found = [_call(o) for o in (obj if isinstance(obj, list) else [obj])]
+        if found and None not in found:
+            calls += found
+            kept.append(text[pos:at])
+            pos = end
+        at = text.find(MISTRAL_CALLS, end)
     kept.append(text[pos:])
     return "".join(kept) if calls else text, calls
 
@@ -147,13 +199,14 @@ def content_before_calls(text: str, form: str = HERMES) -> int:
         while end and text[end - 1] == "\ufffd":
             end -= 1
         return end
-    at = text.find(OPEN)
+    marker = MARKER.get(form, OPEN)
+    at = text.find(marker)
     if at >= 0:
         return at
     end = len(text)
     while end and text[end - 1] == "\ufffd":  # a character whose last bytes have not come
         end -= 1
-    for keep in range(min(len(OPEN) - 1, end), 0, -1):
-        if text[end - keep:end] == OPEN[:keep]:
+    for keep in range(min(len(marker) - 1, end), 0, -1):
+        if text[end - keep:end] == marker[:keep]:
             return end - keep
     return end

@@ -54,7 +54,7 @@ from specdeploy.runtime.decoding.request import (
     NUMBER, SEED_END, SETTINGS, Limits, Request, RequestError, message_of, validate, wire_names,
 )
 from specdeploy.runtime.decoding.batch import BatchSession
-from specdeploy.runtime.decoding.tools import content_before_calls, parse_calls
+from specdeploy.runtime.decoding.tools import call_id, content_before_calls, parse_calls
 from specdeploy.runtime.serving.pool import Cancelled, Overloaded, QueueTimeout, SessionPool, default_batch
 
 log = logging.getLogger("specdeploy.server")
@@ -740,7 +740,7 @@ class _Run:
             c.rest = (content if calls else raw)[c.sent:]
             if calls:
                 c.text, c.finish = content.strip(), "tool_calls"
-                c.calls = [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                c.calls = [{"id": call_id(self.pool.session.tool_form), "type": "function",
                             "function": {"name": call.name, "arguments": call.arguments}} for call in calls]
 
 
