@@ -396,6 +396,27 @@ def test_the_torch_backend_batches_each_request_as_alone(bundles, buckets):
         batched.close()
 
 
+def test_the_torch_backend_copies_a_shared_prompt_instead_of_prefilling_it(bundles):
+    """Three lanes of one prompt joined at one round on the torch batched engine: the later two
+    copy the first's K/V of the prompt (`copy` on the device) and prefill nothing, and each
+    answer is the one it gets alone (greedy, and sampled with their own seeds)."""
+    prompt = "A prompt no request gave before: " + tiny.PROMPTS[7]
+    work = [(prompt, dict(max_new_tokens=16)), (prompt, dict(max_new_tokens=16, temperature=0.9, seed=5)),
+            (prompt, dict(max_new_tokens=16, temperature=0.9, seed=6))]
+    want = solo(bundles("llama-ngram"), work, backend="torch")
+    batched = BatchSession(bundles("llama-ngram"), batch=3, backend="torch")
+    try:
+        with batched.hold():
+            threads, gens = _started(batched, work)
+        for t in threads:
+            t.join()
+        assert [collect(g) for g in gens] == want
+        n = gens[0].stats.prompt_tokens
+        assert [g.stats.cached_tokens for g in gens] == [0, n - 1, n - 1]  # the last one is each lane's first row
+    finally:
+        batched.close()
+
+
 def test_the_torch_backend_refuses_to_batch_an_int_target(copy_of):
     import json
 
