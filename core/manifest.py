@@ -100,6 +100,22 @@ def mib(n_bytes: int) -> str:
     return f"{n_bytes / 2**20:.1f} MiB"
 
 
+# A graph past protobuf's 2 GiB keeps its weights in a file beside it, named for it: <graph>.data
+# (ONNX's external data, one file a graph), listed and checksummed as every other file.
+EXTERNAL_DATA = ".data"
+
+
+def graph_files(folder: Path, graph: str) -> list[str]:
+    """A graph's files in `folder`: the graph, and its weights file where it keeps one."""
+    return [graph] + ([graph + EXTERNAL_DATA] if (Path(folder) / (graph + EXTERNAL_DATA)).is_file() else [])
+
+
+def graph_bytes(folder: Path, graph: str) -> int:
+    """A graph's bytes on disk: its file and its weights file where it keeps one (EXTERNAL_DATA)."""
+    files = [Path(folder) / graph, Path(folder) / (graph + EXTERNAL_DATA)]
+    return sum(f.stat().st_size for f in files if f.is_file())
+
+
 def bundle_file_name(name: Any, where: str) -> str:
     """A file of the bundle is a plain name inside its folder: no folders, no '..', not absolute."""
     if not isinstance(name, str) or not name or name in (".", "..") or "/" in name or "\\" in name or "\0" in name:
@@ -672,6 +688,11 @@ def load_bundle(path: str | Path, verify: bool = True, digest: str | None = None
                           "the bundle was changed or is another one")
     bundle = Bundle(Path(path), manifest, actual)
     if verify:
+        for m in manifest.models.values():  # a graph's weights file is read by ONNX Runtime: checked as the graph is
+            data = m.graph + EXTERNAL_DATA
+            if data not in manifest.files and (bundle.path / data).exists():
+                raise BundleError(f"{bundle.path / data}: a graph's weights file that 'files' does not list (no "
+                                  "checksum): re-export the bundle")
         verify_files(bundle.path, manifest.files, sizes=manifest.sizes)
     return bundle
 

@@ -252,7 +252,7 @@ def export_graph(graph: AssistantGraph, path: Path, spec: ModelSpec, max_seq: in
 
     import onnx
 
-    from .onnx_export import _quiet_exporter
+    from .onnx_export import INLINE_BYTES, _quiet_exporter, save_graph, weight_bytes
 
     names = kv_names(list(spec.reads_kv))
     past = [torch.zeros(spec.inputs[name], dtype=getattr(torch, spec.kv_dtype)) for name in names]
@@ -268,7 +268,10 @@ def export_graph(graph: AssistantGraph, path: Path, spec: ModelSpec, max_seq: in
                                     output_names=["logits", STATE_OUT], opset_version=OPSET, dynamo=True,
                                     dynamic_shapes=dynamic, custom_translation_table=onnx_translations(),
                                     verbose=False, optimize=True)
-    program.save(path, external_data=False)
+    external = weight_bytes(graph) > INLINE_BYTES  # its copy of the target's table: 1.5 GiB at E2B
+    program.save(path, external_data=external)
+    if external:  # one weights file, named as every graph's is
+        save_graph(onnx.load(str(path)), path, external)
     onnx.checker.check_model(str(path), full_check=True)
 
 

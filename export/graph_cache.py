@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Callable
 
 from specdeploy.core.errors import BundleError
-from specdeploy.core.manifest import ModelSpec
+from specdeploy.core.manifest import ModelSpec, graph_files
 
 SPEC = "entry.json"
 
@@ -73,7 +73,8 @@ class GraphCache:
         try:
             d = json.loads((entry / SPEC).read_text())
             spec = ModelSpec.from_dict(d["role"], d["spec"])
-            shutil.copyfile(entry / spec.graph, work / spec.graph)
+            for name in graph_files(entry, spec.graph):
+                shutil.copyfile(entry / name, work / name)
         except (OSError, ValueError, KeyError, TypeError, BundleError):
             # absent, or not whole (entries appear whole, by a rename: this one was damaged since):
             # export it again, and let this export keep its graph there
@@ -91,7 +92,8 @@ class GraphCache:
         try:
             self.root.mkdir(parents=True, exist_ok=True)
             staging = Path(tempfile.mkdtemp(prefix=f".{key}.", dir=self.root))
-            shutil.copyfile(work / spec.graph, staging / spec.graph)
+            for name in graph_files(work, spec.graph):
+                shutil.copyfile(work / name, staging / name)
             (staging / SPEC).write_text(json.dumps({"role": spec.role, "spec": spec.as_dict()}))
         except OSError as e:
             self.log(f"  {spec.role}: not kept in the cache {self.root} ({e})")

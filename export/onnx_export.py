@@ -11,7 +11,7 @@ import torch
 
 from specdeploy.core.choices import NUMPY_DTYPES
 from specdeploy.core.graph_io import GRAPH_FACTS, LOGITS_ROWS, attention_mask, io_names
-from specdeploy.core.manifest import ModelSpec
+from specdeploy.core.manifest import EXTERNAL_DATA, ModelSpec
 from specdeploy.core.errors import ExportError
 
 from .graph import SpecGraph
@@ -104,8 +104,9 @@ def export_onnx(graph: SpecGraph, path: Path, max_seq: int, kv_dtype: torch.dtyp
             verbose=False,
             optimize=optimize,
         )
-    program.save(path, external_data=False)
-    model = onnx.load(str(path))
+    external = weight_bytes(graph) > INLINE_BYTES
+    program.save(path, external_data=external)
+    model = onnx.load(str(path))  # the weights too, where they were written beside it
     _name_dims(model)
     _drop_unused_outputs(model)
     counts = None
@@ -115,13 +116,39 @@ def export_onnx(graph: SpecGraph, path: Path, max_seq: int, kv_dtype: torch.dtyp
         counts = to_dequantize_linear(model)
     if facts is not None:  # what the manifest will say of this graph (core/graph_io.py GRAPH_FACTS)
         onnx.helper.set_model_props(model, {GRAPH_FACTS: json.dumps(facts, sort_keys=True)})
-    onnx.save(model, str(path))
+    save_graph(model, path, external)
     onnx.checker.check_model(str(path), full_check=True)
     ops = {n.op_type for n in model.graph.node}
     writer = "GroupQueryAttention" if graph.fused else "TensorScatter"
     if writer not in ops:
         raise ExportError(f"{path}: export produced no {writer} node; the KV cache would not be written in place")
     return counts
+
+
+# Weights past this are written beside the graph, in <graph>.data (core/manifest.py EXTERNAL_DATA):
+# protobuf refuses a message of 2 GiB or more, and an ONNX file is one message. Below it a graph
+# stays one file, as bundles always had it.
+INLINE_BYTES = 1 << 30
+
+
+def weight_bytes(module: torch.nn.Module) -> int:
+    """What a module's parameters and buffers take: about what its graph's initializers take."""
+    tensors = {id(t): t for t in [*module.parameters(), *module.buffers()]}  # a tied table once
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def save_graph(model, path: Path, external: bool) -> None:
+    """Write `model` to `path`; with `external`, its weights into EXTERNAL_DATA beside it (one
+    file, replaced whole: onnx appends to a weights file it finds there)."""
+    import onnx
+
+    data = Path(path).with_name(Path(path).name + EXTERNAL_DATA)
+    data.unlink(missing_ok=True)
+    if external:
+        onnx.save(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True, location=data.name,
+                  size_threshold=1024)
+    else:
+        onnx.save(model, str(path))
 
 
 def _name_dims(model) -> None:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from specdeploy.core.manifest import FORMAT, Bundle, mib, not_exact_line
+from specdeploy.core.manifest import FORMAT, Bundle, graph_bytes, mib, not_exact_line
 from specdeploy.runtime.decoding.stats import Stats
 
 
@@ -23,7 +23,7 @@ def describe(bundle: Bundle) -> str:
         f"draft       {m.draft.kind}: {drafter_class(m.draft.kind).describe(m.draft)}",
     ]
     for role, e in m.models.items():
-        size = (bundle.path / e.graph).stat().st_size if (bundle.path / e.graph).exists() else 0
+        size = graph_bytes(bundle.path, e.graph)
         lines += [
             f"{role:<11} {e.graph} ({mib(size)}): {e.architecture}, {e.num_layers}/{e.source_layers} layers, "
             f"hidden {e.hidden_size}, heads {e.num_heads} "

@@ -6,7 +6,7 @@ import time
 
 import numpy as np
 
-from specdeploy.core.manifest import Bundle, DraftEntry, ModelSpec
+from specdeploy.core.manifest import Bundle, DraftEntry, ModelSpec, graph_bytes
 
 from specdeploy.runtime.backends import BackendChoice, make_engine
 from specdeploy.runtime.decoding.drafters.proposal import Proposal
@@ -131,7 +131,7 @@ def static_cost_ratio(bundle: Bundle, draft: ModelSpec, target: ModelSpec) -> fl
     self-draft has the target's parameter count but a quarter or less of its bytes). The
     policy measures the real ratio from the first rounds on; a low start lets it draft, and
     so measure, at all."""
-    sizes = [bundle.file(m.graph).stat().st_size for m in (draft, target)]
+    sizes = [graph_bytes(bundle.path, m.graph) for m in (draft, target)]
     return sizes[0] / max(sizes[1], 1)
 
 
