@@ -281,7 +281,7 @@ def check_assistant_parity(graph: AssistantGraph, assistant: Assistant, path: Pa
     forward (Gemma4AssistantForCausalLM with `shared_kv_states`) at positions inside and past the
     sliding window; the logits and states compared relative to their largest value."""
     from specdeploy.runtime.decoding.drafters.assistant import AssistantEngine
-    from .onnx_export import PARITY_RTOL, _rel_diff
+    from .onnx_export import PARITY_RTOL, _rel_diff, check_draft_parity
 
     rng = np.random.default_rng(seed)
     names = kv_names(list(spec.reads_kv))
@@ -311,12 +311,7 @@ def check_assistant_parity(graph: AssistantGraph, assistant: Assistant, path: Pa
             worst_ref = max(worst_ref, _rel_diff(logits, out.logits[0, 0].numpy()),
                             _rel_diff(state, out.last_hidden_state[0, 0].numpy()))
     bound = PARITY_RTOL["fp32"]
-    if worst_ort > bound:
-        raise ExportError(f"{path.name}: ONNX Runtime differs from PyTorch eager by {worst_ort:.2e} (relative to the "
-                          f"largest value), over the {bound:.0e} bound")
-    if worst_ref > bound:
-        raise ExportError(f"{path.name}: the assistant's graph module differs from the published forward by "
-                          f"{worst_ref:.2e}, over {bound:.0e}")
+    check_draft_parity(path.name, "the assistant's graph module", worst_ort, worst_ref, bound)
     return {"positions": positions, "max_rel_diff_ort_vs_eager": worst_ort, "max_rel_diff_eager_vs_reference": worst_ref,
             "bound": bound}
 

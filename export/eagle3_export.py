@@ -18,7 +18,7 @@ from specdeploy.core.manifest import ModelSpec
 
 from .eagle3 import Eagle3Graph, Eagle3Head, Head, quantize_head
 from .load import Source, source_digest
-from .onnx_export import PARITY_RTOL, TORCH_DTYPE, _rel_diff, export_onnx, kv_buffers
+from .onnx_export import PARITY_RTOL, TORCH_DTYPE, _rel_diff, check_draft_parity, export_onnx, kv_buffers
 from .quantize import SCHEMES, QuantEmbedding, QuantLinear
 
 GRAPH_FILE = "draft.onnx"
@@ -150,12 +150,7 @@ def check_head_parity(graph: Eagle3Graph, reference: Eagle3Head, onnx_path: Path
     finally:
         graph.inplace = False
     bound = PARITY_RTOL[dtype]
-    if worst_ort > bound:
-        raise ExportError(f"{onnx_path.name}: ONNX Runtime differs from PyTorch eager by {worst_ort:.2e} (relative to "
-                          f"the largest value), over the {bound:.0e} bound")
-    if worst_ref > bound:
-        raise ExportError(f"{onnx_path.name}: the head's graph module differs from the published forward by "
-                          f"{worst_ref:.2e}, over {bound:.0e}")
+    check_draft_parity(onnx_path.name, "the head's graph module", worst_ort, worst_ref, bound)
     return {"passes": [list(p[:2]) for p in head_schedule(max_seq, max_draft, prefill_chunk)],
             "max_rel_diff_ort_vs_eager": worst_ort if engine is not None else None,
             "max_rel_diff_eager_vs_reference": worst_ref if dtype == "fp32" else None, "bound": bound}

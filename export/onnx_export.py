@@ -224,6 +224,16 @@ def parity_schedule(max_seq: int, max_draft: int, prefill_chunk: int) -> list[tu
     return schedule
 
 
+def check_draft_parity(name: str, what: str, worst_ort: float, worst_ref: float, bound: float) -> None:
+    """A draft graph's two parity figures against `bound`: ONNX Runtime against eager, and eager
+    (`what`: the head's, the assistant's graph module) against the published forward."""
+    if worst_ort > bound:
+        raise ExportError(f"{name}: ONNX Runtime differs from PyTorch eager by {worst_ort:.2e} (relative to the "
+                          f"largest value), over the {bound:.0e} bound")
+    if worst_ref > bound:
+        raise ExportError(f"{name}: {what} differs from the published forward by {worst_ref:.2e}, over {bound:.0e}")
+
+
 def _rel_diff(got: np.ndarray, want: np.ndarray) -> float:
     """Largest difference relative to the largest logit (at least 1). Logits that are -inf
     (tokens outside a distilled draft's head) must be -inf in both: else the difference is inf."""

@@ -15,7 +15,7 @@ import transformers
 import tiny
 from specdeploy.core.errors import BundleError, ExportError
 from specdeploy.runtime import InputError, Session
-from specdeploy.runtime.decoding.drafters import AssistantDrafter, Proposal
+from specdeploy.runtime.decoding.drafters import AssistantDrafter
 from specdeploy.runtime.decoding.loop import prefill
 from specdeploy.runtime.decoding.sampling import SamplingParams
 from tiny import PROMPTS
@@ -282,17 +282,9 @@ def small_assistant(tmp_path_factory):
 
 @pytest.mark.parametrize("setting", range(3))
 def test_sampling_with_the_assistant_has_the_target_distribution(small_assistant, setting):
-    from test_sampling import ALPHA, SAMPLES, SETTINGS, chi_square_pvalue, exact_first_two, sampled_first_two
+    from test_sampling import assert_drafts_keep_the_distribution
 
-    session, prompt = small_assistant
-    params = SETTINGS[setting]
-    exact = exact_first_two(session, prompt, params)
-    counts = sampled_first_two(session, prompt, params, SAMPLES)
-    stats = [session.generate(prompt_ids=prompt, max_new_tokens=3, seed=s, temperature=1.0, draft_len=4).stats
-             for s in range(20)]
-    assert sum(s.drafted for s in stats) > 0 and sum(s.accepted for s in stats) > 0
-    pvalue, cells = chi_square_pvalue(exact, counts, SAMPLES)
-    assert cells >= 5 and pvalue > ALPHA, f"chi-square p = {pvalue:.2e} over {cells} cells"
+    assert_drafts_keep_the_distribution(*small_assistant, setting)
 
 
 def test_the_distribution_test_catches_misreported_draft_probabilities(small_assistant, monkeypatch):
@@ -300,18 +292,7 @@ def test_the_distribution_test_catches_misreported_draft_probabilities(small_ass
     as a point mass: the verifier's p/q is then wrong, and the test must say so. (A draft sampled
     from the assistant's own distribution and reported as a point mass would still be lossless:
     it does not depend on the target's draw.)"""
-    from test_sampling import ALPHA, SAMPLES, SETTINGS, chi_square_pvalue, exact_first_two, sampled_first_two
+    from test_sampling import assert_misreported_probabilities_are_caught
 
-    session, prompt = small_assistant
-    exact = exact_first_two(session, prompt, SETTINGS[0])
-    honest = AssistantDrafter.propose
-
-    def misreported(self, *args, **kwargs):
-        p = honest(self, *args, **kwargs)
-        flat = np.full((p.tokens.shape[0], self.engine.vocab_size), 1.0 / self.engine.vocab_size)
-        return Proposal(p.tokens, flat, p.seconds, p.passes, p.caught_up, p.first_seconds)
-
-    monkeypatch.setattr(AssistantDrafter, "propose", misreported)
-    counts = sampled_first_two(session, prompt, SETTINGS[0], SAMPLES)
-    pvalue, _ = chi_square_pvalue(exact, counts, SAMPLES)
-    assert pvalue < ALPHA, f"the misreported draft passed: p = {pvalue:.2e}"
+    assert_misreported_probabilities_are_caught(*small_assistant, AssistantDrafter,
+                                                lambda p, drafter: drafter.engine.vocab_size, monkeypatch)

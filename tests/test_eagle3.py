@@ -14,7 +14,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 import tiny
 from specdeploy.core.errors import ExportError
 from specdeploy.runtime import InputError, Session
-from specdeploy.runtime.decoding.drafters import Eagle3Drafter, Proposal
+from specdeploy.runtime.decoding.drafters import Eagle3Drafter
 from tiny import PROMPTS
 
 NEW_TOKENS = 40
@@ -224,37 +224,19 @@ def small_head(tmp_path_factory):
 
 @pytest.mark.parametrize("setting", range(3))
 def test_sampling_with_a_head_has_the_target_distribution(small_head, setting):
-    from test_sampling import ALPHA, SAMPLES, SETTINGS, chi_square_pvalue, exact_first_two, sampled_first_two
+    from test_sampling import assert_drafts_keep_the_distribution
 
-    session, prompt = small_head
-    params = SETTINGS[setting]
-    exact = exact_first_two(session, prompt, params)
-    counts = sampled_first_two(session, prompt, params, SAMPLES)
-    stats = [session.generate(prompt_ids=prompt, max_new_tokens=3, seed=s, temperature=1.0, draft_len=4).stats
-             for s in range(20)]
-    assert sum(s.drafted for s in stats) > 0 and sum(s.accepted for s in stats) > 0
-    pvalue, cells = chi_square_pvalue(exact, counts, SAMPLES)
-    assert cells >= 5 and pvalue > ALPHA, f"chi-square p = {pvalue:.2e} over {cells} cells"
+    assert_drafts_keep_the_distribution(*small_head, setting)
 
 
 def test_the_distribution_test_catches_misreported_head_probabilities(small_head, monkeypatch):
     """A head that reports uniform probabilities for the tokens it sampled from its own
     distribution: the verifier's p/q is then wrong, and the test must say so."""
-    from test_sampling import ALPHA, SAMPLES, SETTINGS, chi_square_pvalue, exact_first_two, sampled_first_two
+    from test_sampling import assert_misreported_probabilities_are_caught
 
-    session, prompt = small_head
-    exact = exact_first_two(session, prompt, SETTINGS[0])
-    honest = Eagle3Drafter.propose
-
-    def misreported(self, *args, **kwargs):
-        p = honest(self, *args, **kwargs)
-        flat = None if p.probs is None else np.full_like(p.probs, 1.0 / p.probs.shape[1])
-        return Proposal(p.tokens, flat, p.seconds, p.passes, p.caught_up, p.first_seconds)
-
-    monkeypatch.setattr(Eagle3Drafter, "propose", misreported)
-    counts = sampled_first_two(session, prompt, SETTINGS[0], SAMPLES)
-    pvalue, _ = chi_square_pvalue(exact, counts, SAMPLES)
-    assert pvalue < ALPHA, f"the misreported head passed: p = {pvalue:.2e}"
+    assert_misreported_probabilities_are_caught(*small_head, Eagle3Drafter,
+                                                lambda p, head: None if p.probs is None else p.probs.shape[1],
+                                                monkeypatch)
 
 
 # -- distill --kind eagle3 --------------------------------------------------------------------------

@@ -140,6 +140,40 @@ def chi_square_pvalue(exact, counts, n):
     return float(scipy_stats.chi2.sf(chi2, len(expected) - 1)), len(expected)
 
 
+def assert_drafts_keep_the_distribution(session, prompt, setting):
+    """A drafter whose proposals carry weight (drafted and accepted over 20 seeds at k = 4) keeps
+    the first two tokens' distribution the target's (chi-square, ALPHA)."""
+    params = SETTINGS[setting]
+    exact = exact_first_two(session, prompt, params)
+    counts = sampled_first_two(session, prompt, params, SAMPLES)
+    stats = [session.generate(prompt_ids=prompt, max_new_tokens=3, seed=s, temperature=1.0, draft_len=4).stats
+             for s in range(20)]
+    assert sum(s.drafted for s in stats) > 0 and sum(s.accepted for s in stats) > 0
+    pvalue, cells = chi_square_pvalue(exact, counts, SAMPLES)
+    assert cells >= 5 and pvalue > ALPHA, f"chi-square p = {pvalue:.2e} over {cells} cells"
+
+
+def assert_misreported_probabilities_are_caught(session, prompt, drafter, flat_width, monkeypatch):
+    """The companion: `drafter` made to report its drafts as drawn from a uniform distribution
+    over `flat_width(proposal, drafter)` tokens (None: keep the proposal's own probabilities):
+    the verifier's p/q is then wrong, and the chi-square test must fail it."""
+    from specdeploy.runtime.decoding.drafters import Proposal
+
+    exact = exact_first_two(session, prompt, SETTINGS[0])
+    honest = drafter.propose
+
+    def misreported(self, *args, **kwargs):
+        p = honest(self, *args, **kwargs)
+        width = flat_width(p, self)
+        flat = None if width is None else np.full((p.tokens.shape[0], width), 1.0 / width)
+        return Proposal(p.tokens, flat, p.seconds, p.passes, p.caught_up, p.first_seconds)
+
+    monkeypatch.setattr(drafter, "propose", misreported)
+    counts = sampled_first_two(session, prompt, SETTINGS[0], SAMPLES)
+    pvalue, _ = chi_square_pvalue(exact, counts, SAMPLES)
+    assert pvalue < ALPHA, f"the misreported draft passed: p = {pvalue:.2e}"
+
+
 @pytest.mark.parametrize("kind", ["model", "ngram", "self-int8"])
 @pytest.mark.parametrize("setting", range(len(SETTINGS)))
 def test_speculative_sampling_has_the_target_distribution(small_vocab, kind, setting):
