@@ -396,6 +396,29 @@ def test_the_torch_backend_batches_each_request_as_alone(bundles, buckets):
         batched.close()
 
 
+@pytest.mark.parametrize("name, most", [("llama-model", 0.6), ("llama-self-int8", 0.8)])
+def test_greedy_lanes_share_their_draft_passes(bundles, name, most):
+    """Three greedy lanes with a draft graph, joined at one round: their draft steps are passes
+    of the batched draft engine for all of them (`most`: at most that share of the passes the
+    lanes ran between them; a fused graph shares single-token steps only, its catch-ups go
+    alone), and each answer is still its own alone; a sampled lane beside them drafts alone and
+    keeps its seed's tokens."""
+    work = [(tiny.PROMPTS[i], dict(max_new_tokens=24, draft_len=3)) for i in (2, 5, 9)]
+    work.append((tiny.PROMPTS[12], dict(max_new_tokens=24, draft_len=3, temperature=0.8, seed=4)))
+    want = solo(bundles(name), work)
+    batched = BatchSession(bundles(name), batch=4)
+    try:
+        with batched.hold():
+            threads, gens = _started(batched, work)
+        for t in threads:
+            t.join()
+        assert [collect(g) for g in gens] == want
+        lanes_passes = sum(g.stats.draft_passes for g in gens)
+        assert batched.draft.engine.runs < most * lanes_passes, (batched.draft.engine.runs, lanes_passes)
+    finally:
+        batched.close()
+
+
 def test_the_torch_backend_copies_a_shared_prompt_instead_of_prefilling_it(bundles):
     """Three lanes of one prompt joined at one round on the torch batched engine: the later two
     copy the first's K/V of the prompt (`copy` on the device) and prefill nothing, and each

@@ -724,8 +724,9 @@ class BatchSession(Prompts):
         return max(0, min(lane.fixed if lane.fixed is not None else lane.lengths.choose(), most))
 
     def _draft(self, lanes: list[Lane], ks: list[int]) -> None:
-        """Every lane's drafts of this round, in one batched pass per draft step; a lane whose
-        grammar forces tokens proposes those instead, drafting nothing (as Session's round)."""
+        """Every lane's drafts of this round (the greedy lanes' in one pass per draft step, a sampled
+        lane's alone: BatchDraft); a lane whose grammar forces tokens proposes those instead,
+        drafting nothing (as Session's round)."""
         forced = [lane.judge.forced(lane.req.max_new_tokens - (lane.end - lane.n) - 1) if lane.drafter is not None
                   else EMPTY for lane in lanes]
         ks = [0 if f.shape[0] else k for k, f in zip(ks, forced)]
@@ -815,7 +816,8 @@ class BatchSession(Prompts):
                 finished.append(lane)
         for lane in finished:  # after every lane has committed: a slot moves with all of its K/V
             self._drop(lane, dropped=False)
-        draft_seconds = max((lane.proposal.seconds for lane in lanes if lane.proposal is not None), default=0.0)
+        # the round's draft passes: each lane's own, and its share of each pass greedy lanes shared
+        draft_seconds = sum(lane.proposal.seconds for lane in lanes if lane.proposal is not None)
         self.policy.update(b, t, seconds, drafted, accepted, draft_seconds)
         timing = self.timing
         timing["round_seconds"] += time.perf_counter() - started

@@ -5,9 +5,14 @@ engine per lane (docs/batching.md, "Speculation that knows the batch").
 Per slot the draft keeps what `ModelDrafter` keeps for one sequence: the tokens whose K/V its
 slot holds (`fed`, a prefix of the lane's text once rolled back) and their count. Each lane's
 passes feed exactly what `ModelDrafter.propose` feeds alone (its catch-up, then each draft but
-the last), and it samples from its own rows with its own generator in the same order, so its
-proposals are the ones it would draft alone. Each pass carries one lane (see `_alone`): the
-rounds' draft steps are not yet shared by the lanes.
+the last), so its slot holds what it would hold alone.
+
+Greedy lanes share their draft steps: each step is one pass for every run of neighbouring greedy
+lanes that draft (`_together`). A greedy lane's tokens are the target's whatever its draft
+proposes, so the last bits a shared pass may round differently (see `_alone`) can change a
+proposal, never a token. A sampled lane's proposals are part of how its seed becomes tokens
+(the draft probabilities enter the acceptance rule), so it drafts alone, from rows bit-identical
+to its own engine's, and gives the tokens it gives alone.
 """
 from __future__ import annotations
 
@@ -80,10 +85,21 @@ class BatchDraft:
         step = 0
         while feed:
             following = {}
-            for i, fed in sorted(feed.items()):
+            rows = {}
+            for run in _runs([i for i in sorted(feed) if lanes[i].params.greedy]):
                 t0 = time.perf_counter()
-                logits = self._alone(i, fed)
-                seconds[i] += time.perf_counter() - t0
+                out = self._together(run, [feed[i] for i in run])
+                share = (time.perf_counter() - t0) / len(run)  # a shared pass's time, split: the lanes' sum is the pass
+                for i, logits in zip(run, out):
+                    rows[i] = logits
+                    seconds[i] += share
+            for i in sorted(feed):
+                if i not in rows:
+                    t0 = time.perf_counter()
+                    rows[i] = self._alone(i, feed[i])
+                    seconds[i] += time.perf_counter() - t0
+            for i, fed in sorted(feed.items()):
+                logits = rows[i]
                 if step == 0:
                     first_seconds[i] = seconds[i]
                 self._feed(i, fed)
@@ -110,6 +126,29 @@ class BatchDraft:
                               caught_up[i], first_seconds[i])
         return out
 
+    def _together(self, slots: list[int], feeds: list[np.ndarray]) -> list[np.ndarray]:
+        """One pass for the neighbouring `slots`, each fed its tokens at its length -> each slot's
+        logits at its last token. A feed shorter than the longest is padded with its last token:
+        the padding's K/V land past the slot's length, which is never read and is written over by
+        its next pass. Each slot goes alone where the padding would pass the buffer's end, and for
+        a fused graph's passes of more than one token (GroupQueryAttention takes several tokens of
+        one sequence only)."""
+        if len(slots) == 1:
+            return [self._alone(slots[0], feeds[0])]
+        starts = self.length[slots[0] : slots[-1] + 1].copy()
+        sizes = np.array([f.shape[0] for f in feeds])
+        t = int(sizes.max())
+        if int(starts.max()) + t > self.engine.max_seq or (t > 1 and self.engine.spec.attention == "fused"):
+            return [self._alone(i, f) for i, f in zip(slots, feeds)]
+        tokens = np.empty((len(slots), t), dtype=np.int64)
+        for row, f in zip(tokens, feeds):
+            row[: f.shape[0]] = f
+            row[f.shape[0]:] = f[-1]
+        same = bool((sizes == t).all())
+        logits = self.engine.forward(tokens, starts, first=slots[0], last=same, pad=False)
+        # copies: the engine's logits buffer is the next pass's output
+        return [logits[j, -1 if same else n - 1].copy() for j, n in enumerate(sizes)]
+
     def _alone(self, slot: int, tokens: np.ndarray) -> np.ndarray:
         """The logits of a pass of slot `slot` alone at its length, at its last token.
 
@@ -117,8 +156,7 @@ class BatchDraft:
         other tokens than alone in some batches (tests/test_batch.py's equality test, with a
         sliding-window draft in 2 runs of 3 and with the target as its own draft in 1 of 3; the
         rows' reductions run over the pass's longest window, so their rounding may depend on the
-        other sequences). Until a batched pass is shown to give every row its rows alone, the
-        draft's passes stay one lane's, as its own engine's were."""
+        other sequences). So a sampled lane's passes stay its own, as its own engine's were."""
         start = np.array([self.length[slot]], dtype=np.int64)
         # a copy: the engine's logits buffer is the next pass's output
         return self.engine.forward(tokens[None], start, first=slot, last=True, pad=False)[0, -1].copy()
@@ -172,6 +210,17 @@ class BatchHeads:
         """As BatchDraft.propose: lane i (in slot i) drafts up to ks[i] tokens with its slot's head."""
         return [self.heads[i].propose(lane.ids[: lane.end], k, lane.params, lane.rng, min_confidence[i]) if k > 0
                 else None for i, (lane, k) in enumerate(zip(lanes, ks))]
+
+
+def _runs(slots: list[int]) -> list[list[int]]:
+    """Sorted slots as runs of neighbours: [0, 1, 3] -> [[0, 1], [3]] (a pass binds neighbouring slots)."""
+    runs: list[list[int]] = []
+    for i in slots:
+        if runs and runs[-1][-1] == i - 1:
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+    return runs
 
 
 def _softmax_max(logits: np.ndarray) -> float:
