@@ -112,8 +112,8 @@ def graph_files(folder: Path, graph: str) -> list[str]:
 
 def graph_bytes(folder: Path, graph: str) -> int:
     """A graph's bytes on disk: its file and its weights file where it keeps one (EXTERNAL_DATA)."""
-    files = [Path(folder) / graph, Path(folder) / (graph + EXTERNAL_DATA)]
-    return sum(f.stat().st_size for f in files if f.is_file())
+    return sum((Path(folder) / name).stat().st_size for name in graph_files(folder, graph)
+               if (Path(folder) / name).is_file())
 
 
 def bundle_file_name(name: Any, where: str) -> str:
