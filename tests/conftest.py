@@ -113,7 +113,8 @@ def copy_of(bundles, tmp_path):
 
 # Fixtures that build source models or export bundles: a test that reaches any of them (directly
 # or through another fixture) belongs to the whole suite, not to `make test-fast`.
-EXPORTING_FIXTURES = {"models", "bundles", "smollm2", "small_vocab", "small_tree", "heads", "eagle_bundles", "small_head"}
+EXPORTING_FIXTURES = {"models", "bundles", "smollm2", "small_vocab", "small_tree", "heads", "eagle_bundles", "small_head",
+                      "small_assistant", "tool_bundle", "llama_bundle", "mistral_bundle"}
 
 
 def pytest_collection_modifyitems(items):
