@@ -419,6 +419,24 @@ def test_greedy_lanes_share_their_draft_passes(bundles, name, most):
         batched.close()
 
 
+def test_greedy_lanes_share_their_draft_passes_on_the_torch_backend(bundles):
+    """The same on the torch backend's batched engines (greedy lanes only: there a sampled lane
+    alone runs its round fused on the device, with a generator of its own)."""
+    work = [(tiny.PROMPTS[i], dict(max_new_tokens=24, draft_len=3)) for i in (2, 5, 9)]
+    want = solo(bundles("llama-model"), work, backend="torch")
+    batched = BatchSession(bundles("llama-model"), batch=3, backend="torch")
+    try:
+        with batched.hold():
+            threads, gens = _started(batched, work)
+        for t in threads:
+            t.join()
+        assert [collect(g) for g in gens] == want
+        lanes_passes = sum(g.stats.draft_passes for g in gens)
+        assert batched.draft.engine.runs < 0.6 * lanes_passes, (batched.draft.engine.runs, lanes_passes)
+    finally:
+        batched.close()
+
+
 def test_the_torch_backend_copies_a_shared_prompt_instead_of_prefilling_it(bundles):
     """Three lanes of one prompt joined at one round on the torch batched engine: the later two
     copy the first's K/V of the prompt (`copy` on the device) and prefill nothing, and each
