@@ -194,6 +194,26 @@ def test_openai_client_tool_round_trip(server, tool_bundle):
     assert "<tool_response>" in rendered  # the template's tool turn, as the request gave it
 
 
+def test_a_streamed_call_is_sent_once_its_block_closes(server):
+    """An answer that writes a call and then more text (a grammar makes the tiny model write it):
+    streamed, the call arrives in its own chunk as soon as `</tool_call>` is written, before the
+    text after it; whole, the same call and content."""
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused")
+    grammar = ('start: "Checking. <tool_call>\\n" "{\\"name\\": \\"get_time\\", \\"arguments\\": {\\"zone\\": 3}}" '
+               '"\\n</tool_call>" " and then some words after it"')
+    kw = dict(model="tiny", messages=ASK, tools=[WEATHER, TIME], tool_choice="auto", max_tokens=120, temperature=0,
+              extra_body={"structured_outputs": {"grammar": grammar}})
+    whole = client.chat.completions.create(**kw).choices[0]
+    assert whole.finish_reason == "tool_calls" and whole.message.tool_calls[0].function.name == "get_time"
+    assert whole.message.content == "Checking.  and then some words after it"
+    chunks = [c.choices[0] for c in client.chat.completions.create(stream=True, **kw) if c.choices]
+    at = [i for i, c in enumerate(chunks) if c.delta.tool_calls]
+    assert len(at) == 1 and chunks[at[0]].delta.tool_calls[0].function.arguments == '{"zone": 3}'
+    after = "".join(c.delta.content or "" for c in chunks[at[0] + 1:])
+    assert after == " and then some words after it" and chunks[-1].finish_reason == "tool_calls"
+    assert "".join(c.delta.content or "" for c in chunks[: at[0] + 1]) == "Checking. "
+
+
 def test_with_tools_a_streamed_answer_sends_its_content_as_it_comes(server):
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused")
     kw = dict(model="tiny", messages=ASK, tools=[WEATHER], tool_choice="auto", max_tokens=24, temperature=0)

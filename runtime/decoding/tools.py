@@ -187,6 +187,13 @@ def _parse_mistral(text: str) -> tuple[str, list[ToolCall]]:
     return "".join(kept) if calls else text, calls
 
 
+def calls_close(form: str | None) -> bool:
+    """Whether a call the form writes is final once its block closes (Hermes' `</tool_call>`,
+    Mistral's array), so that a stream can send it then; Llama's answer is a call only if the
+    whole answer is one, known at its end."""
+    return form in (HERMES, MISTRAL)
+
+
 def content_before_calls(text: str, form: str = HERMES) -> int:
     """How much of a growing answer is content for certain: up to its first call's marker, less
     an end that may be the marker's beginning or an incomplete character. Llama: nothing while

@@ -54,7 +54,7 @@ from specdeploy.runtime.decoding.request import (
     NUMBER, SEED_END, SETTINGS, Limits, Request, RequestError, message_of, validate, wire_names,
 )
 from specdeploy.runtime.decoding.batch import BatchSession
-from specdeploy.runtime.decoding.tools import call_id, content_before_calls, parse_calls
+from specdeploy.runtime.decoding.tools import call_id, calls_close, content_before_calls, parse_calls
 from specdeploy.runtime.serving.pool import Cancelled, Overloaded, QueueTimeout, SessionPool, default_batch
 
 log = logging.getLogger("specdeploy.server")
@@ -664,13 +664,21 @@ class _Run:
                     else:  # the answer whole (or, with tools, its calls read whole)
                         c.texts.append(piece.text)
                         c.logprobs += piece.logprobs or []
-                        if self.stream:  # with tools: the content before any call streams as it comes
+                        if self.stream:  # with tools: the content before any call streams as it comes,
+                            form = self.pool.session.tool_form  # and each call once its block has closed
                             raw = self.pool.session.tool_text(c.token_ids)
-                            upto = content_before_calls(raw, self.pool.session.tool_form)
-                            if upto > c.sent:
+                            upto = content_before_calls(raw, form)
+                            delta = {"content": raw[c.sent:upto]} if upto > c.sent else {}
+                            c.sent = max(c.sent, upto)
+                            closed = parse_calls(raw, form)[1] if calls_close(form) else []
+                            if len(closed) > len(c.calls):
+                                first = len(c.calls)
+                                c.calls += _call_entries(closed[first:], form)
+                                delta["tool_calls"] = [{"index": first + i, **call}
+                                                       for i, call in enumerate(c.calls[first:])]
+                            if delta:
                                 await send(event({**self.base, "object": kind, "choices": [
-                                    {"index": c.index, "delta": {"content": raw[c.sent:upto]}, "finish_reason": None}]}))
-                                c.sent = upto
+                                    {"index": c.index, "delta": delta, "finish_reason": None}]}))
         except Exception as e:
             if isinstance(e, InputError):
                 status, kind_, message = 400, "invalid_request_error", str(e)
@@ -697,8 +705,9 @@ class _Run:
             for c in choices:
                 if self.tools:  # the rest of its content, then its calls
                     delta = {"content": c.rest} if c.rest else {}
-                    if c.calls:
-                        delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(c.calls)]
+                    if len(c.calls) > c.streamed:  # those not sent as they closed
+                        delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(c.calls)
+                                               if i >= c.streamed]
                     if delta:
                         choice = {"index": c.index, "delta": delta, "finish_reason": None}
                         if self.logprobs:
@@ -740,8 +749,8 @@ class _Run:
             c.rest = (content if calls else raw)[c.sent:]
             if calls:
                 c.text, c.finish = content.strip(), "tool_calls"
-                c.calls = [{"id": call_id(self.pool.session.tool_form), "type": "function",
-                            "function": {"name": call.name, "arguments": call.arguments}} for call in calls]
+                c.streamed = len(c.calls)  # sent as their blocks closed: the ids given then are kept
+                c.calls += _call_entries(calls[c.streamed:], self.pool.session.tool_form)
 
 
 class _Choice:
@@ -750,9 +759,16 @@ class _Choice:
     def __init__(self, index: int, gen):
         self.index, self.gen = index, gen
         self.texts, self.logprobs, self.token_ids = [], [], []
-        self.text, self.finish, self.calls = "", None, []
+        self.text, self.finish, self.calls = "", None, []  # calls: OpenAI's entries, in the order written
         self.sent, self.rest = 0, ""  # a stream with tools: characters of content sent, and what is left
+        self.streamed = 0  # a stream with tools: calls sent before the answer ended
         self.logprobs_form = None  # the request's LogprobsForm, one a choice (a completion's offsets are its own)
+
+
+def _call_entries(calls, form) -> list[dict]:
+    """Parsed calls as OpenAI's `tool_calls` entries, each with a new id in the form's shape."""
+    return [{"id": call_id(form), "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+            for call in calls]
 
 
 def _usage(stats: list) -> dict:
