@@ -316,15 +316,20 @@ def check_assistant_parity(graph: AssistantGraph, assistant: Assistant, path: Pa
             "bound": bound}
 
 
-def export_assistant(assistant: Assistant, target: Source, target_spec: ModelSpec, dtype: str, *, work: Path,
-                     max_seq: int, log: Callable[[str], None], device: str = "cpu", **_) -> ModelSpec:
-    """The assistant's graph and manifest entry, written into `work`, checked for parity."""
+def check_choices(dtype: str, device: str) -> None:
+    """The export choices an assistant's graph takes (export checks them before any work)."""
     if dtype != "fp32":
         raise ExportError(f"--draft-dtype {dtype} with a Gemma 4 assistant: its graph is exported in fp32 only (it is "
                           "small next to its target); leave --draft-dtype out or use fp32")
     if device != "cpu":
         raise ExportError(f"--for {device} with a Gemma 4 assistant: its graph runs on ONNX Runtime's CPU provider for "
                           "now; use --for cpu")
+
+
+def export_assistant(assistant: Assistant, target: Source, target_spec: ModelSpec, dtype: str, *, work: Path,
+                     max_seq: int, log: Callable[[str], None], device: str = "cpu", **_) -> ModelSpec:
+    """The assistant's graph and manifest entry, written into `work`, checked for parity."""
+    check_choices(dtype, device)
     t0 = time.perf_counter()
     bits = 4 if str((target_spec.quantization or {}).get("embedding", "")).startswith("int4") else None
     graph = AssistantGraph(assistant, target, bits).eval()

@@ -520,8 +520,11 @@ def build_bundle(
         log(f"--for {device}: --dtype {dtype}")
         if kv_dtype is not None:
             check_kv_dtype(kv_dtype, dtype, attention, device)
-    if recipe.kind == "assistant" and draft_dtype is None:
-        draft_dtype = "fp32"  # the assistant's graph is fp32 (export/assistant.py), whatever the target's
+    if recipe.kind == "assistant":
+        from .assistant import check_choices
+
+        draft_dtype = draft_dtype or "fp32"  # the assistant's graph is fp32 (export/assistant.py), whatever the target's
+        check_choices(draft_dtype, device)  # before the target is exported
     draft_dtype = dtype if draft_dtype is None else draft_dtype
     if kv_dtype is None and device == "cpu" and dtype in SCHEMES and attention == "exact":
         kv_dtype = CPU_INT_KV

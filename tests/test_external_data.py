@@ -36,6 +36,9 @@ def test_weights_beside_the_graph_decode_as_the_graph_in_one_file(pair):
         assert graph + ".data" in files and not (inline / (graph + ".data")).exists()
         assert (external / graph).stat().st_size < (external / (graph + ".data")).stat().st_size
         assert abs(graph_bytes(external, graph) - graph_bytes(inline, graph)) < 0.05 * graph_bytes(inline, graph)
+    from specdeploy.runtime.tools.report import describe
+
+    assert "target.onnx + target.onnx.data (" in describe(load_bundle(external))  # inspect names both
     for prompt in PROMPTS[:3]:
         want = Session(inline).generate(prompt, max_new_tokens=16, speculate=False).token_ids
         assert Session(external).generate(prompt, max_new_tokens=16, speculate=False).token_ids == want

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from specdeploy.core.manifest import FORMAT, Bundle, graph_bytes, mib, not_exact_line
+from specdeploy.core.manifest import FORMAT, Bundle, graph_bytes, graph_files, mib, not_exact_line
 from specdeploy.runtime.decoding.stats import Stats
 
 
@@ -23,9 +23,9 @@ def describe(bundle: Bundle) -> str:
         f"draft       {m.draft.kind}: {drafter_class(m.draft.kind).describe(m.draft)}",
     ]
     for role, e in m.models.items():
-        size = graph_bytes(bundle.path, e.graph)
+        size, files = graph_bytes(bundle.path, e.graph), " + ".join(graph_files(bundle.path, e.graph))
         lines += [
-            f"{role:<11} {e.graph} ({mib(size)}): {e.architecture}, {e.num_layers}/{e.source_layers} layers, "
+            f"{role:<11} {files} ({mib(size)}): {e.architecture}, {e.num_layers}/{e.source_layers} layers, "
             f"hidden {e.hidden_size}, heads {e.num_heads} "
             + (f"(kv {e.num_kv_heads}) x {e.head_dim}, " if len(set(e.kv_shapes)) == 1 else "(kv and width by layer: KV below), ")
             + f"vocab {e.vocab_size}" + (f" (its head: {e.draft_vocab} draft tokens)" if e.draft_vocab else "")
