@@ -111,14 +111,14 @@ def test_greedy_with_the_assistant_equals_plain_and_hf(dtype, bundles, hf):
     target, assistant = hf
     session = Session(bundles(dtype))
     drafted = 0
-    for prompt in PROMPTS[:8]:
+    for i, prompt in enumerate(PROMPTS[:8]):
         ids = session.encode(prompt)
         plain = session.generate(prompt_ids=ids, max_new_tokens=NEW_TOKENS, speculate=False).token_ids
         for k in DRAFT_LENS:
             spec = session.generate(prompt_ids=ids, max_new_tokens=NEW_TOKENS, draft_len=k)
             assert spec.token_ids == plain, (prompt, k)
             drafted += spec.stats.drafted
-        if dtype != "fp32":
+        if dtype != "fp32" or i >= 4:  # Hugging Face's side on the first four (its assisted loop is slow)
             continue
         kwargs = dict(do_sample=False, max_new_tokens=NEW_TOKENS, eos_token_id=list(session.eos_token_ids), pad_token_id=0)
         with torch.no_grad():
