@@ -183,11 +183,9 @@ class AssistantGraph(nn.Module):
         self.embed_weight = embed.weight
         self.table = None
         if table_bits == 4:
-            from .blocks import quantize_float
-            from .quantize import QuantEmbedding, QuantLinear
+            from .quantize import QuantEmbedding
 
-            blocks = QuantLinear(quantize_float(embed.weight.detach().float().numpy(), 4, "none"), None)
-            self.table = QuantEmbedding(blocks.packed, blocks.scales, blocks.out_features, blocks.in_features)
+            self.table = QuantEmbedding.of(embed.weight)
         self.pre_projection = assistant.model.pre_projection
         self.post_projection = assistant.model.post_projection
         self.lm_head = assistant.model.lm_head

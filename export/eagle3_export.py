@@ -19,7 +19,7 @@ from specdeploy.core.manifest import ModelSpec
 from .eagle3 import Eagle3Graph, Eagle3Head, Head, quantize_head
 from .load import Source, source_digest
 from .onnx_export import PARITY_RTOL, TORCH_DTYPE, _rel_diff, check_draft_parity, export_onnx, kv_buffers
-from .quantize import SCHEMES, QuantEmbedding, QuantLinear
+from .quantize import SCHEMES, QuantEmbedding
 
 GRAPH_FILE = "draft.onnx"
 VOCAB_MAP = "draft_vocab.npy"  # int64 [draft vocab]: each draft id's target id
@@ -37,10 +37,7 @@ def head_graph(head: Head, target: Source, dtype: str, zero: str = "min", standa
     if dtype in SCHEMES:
         record = quantize_head(module, dtype, zero)
         if SCHEMES[dtype] == 4 and not standard:
-            from .blocks import quantize_float
-
-            table = QuantLinear(quantize_float(embed.weight.detach().float().numpy(), 4, "none"), None)
-            embed = QuantEmbedding(table.packed, table.scales, table.out_features, table.in_features)
+            embed = QuantEmbedding.of(embed.weight)
             record["embedding"] = "int4"
     else:
         module = module.to(TORCH_DTYPE[dtype])

@@ -109,6 +109,12 @@ class QuantEmbedding(nn.Module):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return gather_block_quantized(self.packed, ids, self.scales, self.num_embeddings, self.embedding_dim)
 
+    @classmethod
+    def of(cls, weight: torch.Tensor) -> "QuantEmbedding":
+        """A float table [n, k] rounded to symmetric 4-bit blocks (round to nearest per block)."""
+        table = QuantLinear(quantize_float(weight.detach().float().numpy(), 4, "none"), None)
+        return cls(table.packed, table.scales, table.out_features, table.in_features)
+
 
 def _layer_groups(arch) -> list[tuple[str, str, tuple[tuple[str, str], ...]]]:
     """A layer's projections as (owner, fused name, ((module, GGUF tensor), ...)), one group per
@@ -206,20 +212,17 @@ def quantize_model(model: nn.Module, scheme: str, gguf_path: Path | None = None,
     embedding = "float32"
     if plan["embedding_bits"] and bits == 4:  # an int8 bundle's embedding stays float: no finer than its linears
         shared = tied and blocks.form == (4, BLOCK, False) and model.lm_head.zero_points is None
-        table = model.lm_head if shared \
-            else QuantLinear(quantize_float(model.model.embed_tokens.weight.detach().float().numpy(), 4, "none"), None)
-        n, k = table.out_features, table.in_features
-        model.model.embed_tokens = QuantEmbedding(table.packed, table.scales, n, k)
-        embedding = "int4 (the head's blocks)" if table is model.lm_head else "int4"
+        head = model.lm_head
+        model.model.embed_tokens = QuantEmbedding(head.packed, head.scales, head.out_features, head.in_features) \
+            if shared else QuantEmbedding.of(model.model.embed_tokens.weight)
+        embedding = "int4 (the head's blocks)" if shared else "int4"
     per_layer = getattr(model.model, "embed_tokens_per_layer", None)  # Gemma 4's per-layer input table
     per_layer_embedding = None
     if per_layer is not None:
         per_layer_embedding = "float32"
         width = per_layer.weight.shape[1]
         if plan["embedding_bits"] and bits == 4 and width % BLOCK == 0:  # as the main table
-            table = QuantLinear(quantize_float(per_layer.weight.detach().float().numpy(), 4, "none"), None)
-            model.model.embed_tokens_per_layer = QuantEmbedding(table.packed, table.scales, per_layer.weight.shape[0],
-                                                                width)
+            model.model.embed_tokens_per_layer = QuantEmbedding.of(per_layer.weight)
             per_layer_embedding = "int4"
         elif plan["embedding_bits"] and bits == 4:
             per_layer_embedding = f"float32 (its width {width} is not a multiple of the {BLOCK}-value block)"
