@@ -55,18 +55,32 @@ ASSISTANT_STATE = "assistant_state"
 FEATURE_OUTPUTS = (AUX_HIDDEN, DRAFT_HIDDEN_OUT)
 
 
+def state_names(num_layers: int) -> list[tuple[str, str]]:
+    """(input, output) names of the recurrent states of a model's linear-attention layers, in
+    layer order: the convolution's, then the recurrence's. The input is the state before the
+    pass [B, ...]; the output the states after each row the pass returns logits for [B, R, ...].
+
+    >>> state_names(1)
+    [('conv_state_0', 'conv_states_0'), ('recurrent_state_0', 'recurrent_states_0')]
+    """
+    return [(f"{kind}_state_{i}", f"{kind}_states_{i}") for i in range(num_layers) for kind in ("conv", "recurrent")]
+
+
 def io_names(num_layers: int, logits_rows: bool = True, inputs: tuple[str, ...] = (),
-             outputs: tuple[str, ...] = ()) -> tuple[list[str], list[str]]:
+             outputs: tuple[str, ...] = (), state_layers: int = 0) -> tuple[list[str], list[str]]:
     """The graph's input and output names, in order (`logits_rows`: a graph that takes the
     rows whose logits it returns, as every ONNX graph from format version 2 on; `inputs`,
-    `outputs`: the hidden states of FEATURE_INPUTS / FEATURE_OUTPUTS it takes and returns).
+    `outputs`: the hidden states of FEATURE_INPUTS / FEATURE_OUTPUTS it takes and returns;
+    `state_layers`: its linear-attention layers, whose states it takes and returns).
 
     >>> io_names(1, outputs=(AUX_HIDDEN,))[1]
     ['logits', 'present_key_0', 'present_value_0', 'aux_hidden_states']
     """
     kv = kv_names(num_layers)
     rows = [LOGITS_ROWS] if logits_rows else []
-    return list(STEP_INPUTS) + [p for p, _ in kv] + rows + list(inputs), ["logits"] + [p for _, p in kv] + list(outputs)
+    states = state_names(state_layers)
+    return (list(STEP_INPUTS) + [p for p, _ in kv] + rows + list(inputs) + [i for i, _ in states],
+            ["logits"] + [p for _, p in kv] + [o for _, o in states] + list(outputs))
 
 
 def window_length(start: int, t: int, min_window: int | None = None, max_seq: int | None = None) -> int:

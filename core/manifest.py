@@ -217,6 +217,18 @@ class ModelSpec:
         return LOGITS_ROWS in self.inputs
 
     @property
+    def state_names(self) -> list[tuple[str, str]]:
+        """(input, output) names of the recurrent states of its linear-attention layers (none for
+        a model whose every layer keeps K/V), as core/graph_io.py state_names gives them."""
+        from .graph_io import state_names
+
+        return state_names(sum(1 for name in self.inputs if name.startswith("recurrent_state_")))
+
+    def state_shape(self, name: str, batch: int = 1) -> tuple[int, ...]:
+        """The shape of state input `name` for `batch` sequences."""
+        return (batch, *(int(d) for d in self.inputs[name][1:]))
+
+    @property
     def kv_names(self) -> list[tuple[str, str]]:
         """(input, output) names of the KV buffers, in layer order: key then value."""
         from .graph_io import kv_names

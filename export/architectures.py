@@ -23,7 +23,7 @@ ROPE_TYPES = ("default", "linear", "llama3", "yarn", "proportional")
 # "layer_types": the layers config.layer_types marks "sliding_attention", the graph masks them itself
 # from position_ids (the runtime's mask stays full causal, for the other layers).
 WINDOWS = ("none", "all", "layer_types")
-SLIDING, FULL = "sliding_attention", "full_attention"
+SLIDING, FULL, LINEAR = "sliding_attention", "full_attention", "linear_attention"
 
 
 @dataclass(frozen=True)
@@ -91,6 +91,11 @@ class Architecture:
     # layer_scalar; per-layer input embeddings (hidden_size_per_layer_input) gate each layer's end;
     # with enable_moe_block, an experts block beside each MLP (export/experts.py).
     layer_configs: bool = False
+    # Qwen3.5: the layers config.layer_types marks "linear_attention" are Gated DeltaNet layers
+    # with recurrent states (export/recurrent.py), the others full attention whose q_proj also
+    # emits an output gate (attention output times sigmoid(gate)); RoPE may rotate only the first
+    # partial_rotary_factor of each head.
+    linear_attention: bool = False
     refusals: tuple[Refusal, ...] = field(default_factory=tuple)
 
     def rope_parameters(self, cfg) -> dict[str, dict]:
@@ -175,6 +180,9 @@ ARCHITECTURES: dict[str, Architecture] = {a.model_type: a for a in (
                  refusals=(Refusal("use_bidirectional_attention", _set("bidirectional attention is not implemented")),)),
     Architecture("gemma3_text", "Gemma 3 (text)", qk_norm=True, rope_by_layer_type=True, **GEMMA,
                  refusals=(Refusal("use_bidirectional_attention", _set("bidirectional attention is not implemented")),)),
+    Architecture("qwen3_5_text", "Qwen3.5 (text)", unit_offset_norm=True, qk_norm=True, linear_attention=True,
+                 contrib_ops=False, fp16=False,
+                 refusals=(Refusal("attention_bias", _set("attention biases are not implemented")),)),
     Architecture("gemma4_text", "Gemma 4 (text)", qk_norm=True, rope_by_layer_type=True, layer_configs=True,
                  **{**GEMMA, "unit_offset_norm": False, "query_scale_field": None, "attn_softcap_field": None},
                  refusals=(Refusal("use_bidirectional_attention", _set("bidirectional attention is not implemented")),)),
@@ -208,10 +216,18 @@ def check_config(cfg) -> Architecture:
         if len(flags) != cfg.num_hidden_layers or set(flags) - {0, 1}:
             raise ExportError(f"{arch.family}: config {arch.rope_layers_field}: {flags}: one 0 or 1 per layer expected "
                               f"({cfg.num_hidden_layers} layers)")
-    why = _partial_rotary(cfg)
+    why = None if arch.linear_attention else _partial_rotary(cfg)
     if why:
         raise ExportError(f"{arch.family}: config rope_parameters: {why}")
-    if arch.window == "layer_types":
+    if arch.linear_attention:
+        unknown = sorted(set(cfg.layer_types) - {LINEAR, FULL})
+        if unknown:
+            raise ExportError(f"{arch.family}: config layer_types: {unknown[0]!r} is not implemented "
+                              f"(implemented: {LINEAR!r}, {FULL!r})")
+        if FULL not in cfg.layer_types:
+            raise ExportError(f"{arch.family}: config layer_types: no {FULL!r} layer (a model of linear layers only "
+                              "is not implemented)")
+    elif arch.window == "layer_types":
         unknown = sorted(set(cfg.layer_types) - {SLIDING, FULL})
         if unknown:
             raise ExportError(f"{arch.family}: config layer_types: {unknown[0]!r} is not implemented")
@@ -232,5 +248,5 @@ def check_export(cfg, dtype: str, attention: str, what: str) -> None:
                           f"{why}; use --attention exact")
 
 
-__all__ = ["ARCHITECTURES", "Architecture", "LayerNorms", "ROPE_TYPES", "WINDOWS", "architecture", "check_config",
+__all__ = ["ARCHITECTURES", "Architecture", "FULL", "LINEAR", "LayerNorms", "ROPE_TYPES", "WINDOWS", "architecture", "check_config",
            "check_export"]

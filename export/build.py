@@ -23,7 +23,7 @@ from typing import Callable
 import torch
 
 from specdeploy.core.errors import BundleError, ExportError
-from specdeploy.core.graph_io import AUX_HIDDEN, LOGITS_ROWS, graph_facts, io_names, kv_names
+from specdeploy.core.graph_io import AUX_HIDDEN, LOGITS_ROWS, graph_facts, io_names, kv_names, state_names
 from specdeploy.core.choices import DEVICE_DTYPE, DEVICES, DTYPES, KV_CHOICES, KV_DTYPE, QUANT_SCHEMES
 from specdeploy.core.manifest import ATTENTIONS, FORMAT, MANIFEST, MOST, Manifest, ModelSpec, TokenizerEntry, checksums, file_sizes, not_exact_line, write_manifest
 
@@ -192,6 +192,11 @@ def model_entry(graph: SpecGraph, source: Source, role: str, graph_file: str, dt
     feature_in, feature_out = feature_shapes(graph)
     kv_inputs = [name for name, _ in kv_names(len(graph.kv_layout))]
     kv_shapes = [["B", heads, max_seq, dim] for heads, dim in graph.kv_layout for _ in range(2)]
+    # a linear-attention layer's states: in before the pass [B, ...], out after each returned row [B, R, ...]
+    state_shapes = [list(shape) for pair in graph.state_layout for shape in pair]
+    names = state_names(len(graph.state_layout))
+    state_in = {i: ["B", *shape] for (i, _), shape in zip(names, state_shapes)}
+    state_out = {o: ["B", "R", *shape] for (_, o), shape in zip(names, state_shapes)}
     uniform = len(graph.kv_layout) == graph.num_layers and len(set(graph.kv_layout)) == 1
     return ModelSpec(
         role=role,
@@ -219,8 +224,9 @@ def model_entry(graph: SpecGraph, source: Source, role: str, graph_file: str, dt
             **dict(zip(kv_inputs, kv_shapes)),
             LOGITS_ROWS: ["R"],
             **feature_in,
+            **state_in,
         },
-        outputs={"logits": ["B", "R", cfg.vocab_size], **dict(zip(outputs[1:], kv_shapes)), **feature_out},
+        outputs={"logits": ["B", "R", cfg.vocab_size], **dict(zip(outputs[1:], kv_shapes)), **state_out, **feature_out},
         kv_aliases={o: i for i, o in zip(kv_inputs, outputs[1:])},
         # a restricted head: logits of other tokens are -inf
         head_vocab=int(graph.head_vocab.shape[0]) if graph.head_vocab is not None else None,

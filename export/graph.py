@@ -33,10 +33,13 @@ import torch
 from torch import nn
 from transformers.activations import ACT2FN
 
-from .architectures import Architecture, check_config
+from specdeploy.core.errors import ExportError
+
+from .architectures import LINEAR, Architecture, check_config
 from .experts import gemma4_routing
 from .quantize import QuantEmbedding
 from .ops import attention_reference, fused_attention_eager, group_query_attention, kv_write, rope_caches, rotary, skip_rms_norm
+from .recurrent import GatedDeltaNet
 
 
 def kv_write_inplace(cache: torch.Tensor, update: torch.Tensor, write_indices: torch.Tensor) -> torch.Tensor:
@@ -184,10 +187,19 @@ class SpecGraph(nn.Module):
         self.experts_beside = False
         if arch.layer_configs:
             self._layer_configs(cfg, base, n)
+        # Qwen3.5's linear-attention layers (export/recurrent.py): their forward by layer, and the
+        # (convolution, recurrent) state shapes of each, in order; None for a layer that keeps K/V
+        self.linear: dict[int, GatedDeltaNet] = {}
+        self.state_layout: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
+        self.state_of_layer: list[int | None] = [None] * n
+        self.gated_query = False  # q_proj emits q | gate per head; attention's output times sigmoid(gate)
+        self.rotary_dim = self.head_dim  # RoPE rotates the first rotary_dim of each head
+        if arch.linear_attention:
+            self._linear_layers(cfg, n)
         self.embed_scale = cfg.hidden_size**0.5 if arch.embed_scale else None
         # Widths of the packed projections' outputs: q | k | v and gate | up.
-        self.qkv_widths = [self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim,
-                           self.num_kv_heads * self.head_dim]
+        self.qkv_widths = [self.num_heads * self.head_dim * (2 if self.gated_query else 1),
+                           self.num_kv_heads * self.head_dim, self.num_kv_heads * self.head_dim]
         self.gate_up_widths = [cfg.intermediate_size, cfg.intermediate_size]
         self.act = ACT2FN[getattr(cfg, arch.activation_field)]
         self.inplace = inplace  # eager runs over caller-owned buffers write in place
@@ -228,6 +240,26 @@ class SpecGraph(nn.Module):
             self.per_layer_model_projection = base.per_layer_model_projection
             self.per_layer_projection_norm = base.per_layer_projection_norm
             self.source_layers = cfg.num_hidden_layers  # the per-layer table holds a slice for each
+
+    def _linear_layers(self, cfg, n: int) -> None:
+        """Qwen3.5: which layers are Gated DeltaNet (no K/V, two states each), the gated query and
+        the partial rotary of the others (Architecture.linear_attention)."""
+        self.kv_layout, self.kv_of_layer, self.keeps_kv = [], [], []
+        for i, kind in enumerate(cfg.layer_types[:n]):
+            if kind == LINEAR:
+                self.linear[i] = GatedDeltaNet(self.layers[i].linear_attn)
+                self.state_of_layer[i] = len(self.state_layout)
+                self.state_layout.append(self.linear[i].state_shapes)
+                self.kv_of_layer.append(None)
+            else:
+                self.kv_of_layer.append(len(self.kv_layout))
+                self.kv_layout.append((self.num_kv_heads, self.head_dim))
+            self.keeps_kv.append(kind != LINEAR)
+        if not self.kv_layout:
+            raise ExportError(f"{self.arch.family}: the first {n} layers are all linear attention (layer_types "
+                              f"{cfg.layer_types[:n]}); a graph needs a full-attention layer (for self:layers, take more)")
+        self.gated_query = True
+        self.rotary_dim = 2 * self.inv_freq.shape[0]
 
     def _per_layer_inputs(self, input_ids: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
         """[B, T, layers, width]: Gemma 4's per-layer inputs, as its model computes them: the token's
@@ -330,6 +362,10 @@ class SpecGraph(nn.Module):
             q, k, v = _split(attn.qkv_proj(x), self.qkv_widths)
         else:
             q, k, v = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
+        gate = None
+        if self.gated_query:  # each head's q then its gate, side by side
+            qg = q.view(b, t, self.num_heads, 2 * d)
+            q, gate = qg[..., :d].reshape(b, t, self.num_heads * d), qg[..., d:].reshape(b, t, self.num_heads * d)
         if self.arch.qk_norm:  # over each head's D values, before RoPE
             q = self._rms(attn.q_norm, q.view(b, t, self.num_heads, d)).view(b, t, self.num_heads * d)
             k = self._rms(attn.k_norm, k.view(b, t, self.num_kv_heads, d)).view(b, t, self.num_kv_heads * d)
@@ -341,10 +377,22 @@ class SpecGraph(nn.Module):
         k = k.view(b, t, self.num_kv_heads, d).transpose(1, 2)
         v = v.view(b, t, self.num_kv_heads, d).transpose(1, 2)
         if not self.contrib_ops and rotates:
-            q = q * cos + _rotate_half(q) * sin
-            k = k * cos + _rotate_half(k) * sin
-        return attention_reference(q, k, v, key_cache, value_cache, write_indices, mask, self.scaling, write,
-                                   softcap=self.attn_softcap, sinks=attn.sinks if self.arch.sinks else None)
+            q, k = self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+        out, key_cache, value_cache = attention_reference(
+            q, k, v, key_cache, value_cache, write_indices, mask, self.scaling, write, softcap=self.attn_softcap,
+            sinks=attn.sinks if self.arch.sinks else None)
+        if gate is not None:
+            out = out * torch.sigmoid(gate)
+        return out, key_cache, value_cache
+
+    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """RoPE on [B, heads, T, D]: the first rotary_dim of each head (all of it but for a
+        partial_rotary_factor), the rest as it is."""
+        r = self.rotary_dim
+        if r == x.shape[-1]:
+            return x * cos + _rotate_half(x) * sin
+        part = x[..., :r]
+        return torch.cat((part * cos + _rotate_half(part) * sin, x[..., r:]), dim=-1)
 
     def _layer_attention(self, layer: int, attn: nn.Module, x, write, write_indices, mask, cos, sin, key_cache,
                          value_cache):
@@ -366,10 +414,19 @@ class SpecGraph(nn.Module):
                                    softcap=self.attn_softcap)
 
     def _rope(self, inv_freq: torch.Tensor, scale: float, position_ids: torch.Tensor, dtype: torch.dtype):
-        """cos, sin [B, 1, T, D] at position_ids, as the source's rotary module computes them."""
+        """cos, sin [B, 1, T, D] at position_ids, as the source's rotary module computes them.
+
+        ONNX Runtime's Cos and Sin run 16 floats at a time and the remainder one by one, and the
+        two paths can round differently: a row of D angles must take the same path whatever T is
+        (a verify pass's rows equal single steps bit for bit), so a D that is not a multiple of
+        16 (a partial rotary's 6, a 24-wide head's) is padded with zero angles to one."""
         freqs = position_ids[..., None].float() * inv_freq  # [B, T, D/2]
         emb = torch.cat((freqs, freqs), dim=-1)
-        return (emb.cos() * scale).to(dtype)[:, None], (emb.sin() * scale).to(dtype)[:, None]
+        width = emb.shape[-1]
+        if width % 16:
+            emb = torch.cat((emb, emb.new_zeros((*emb.shape[:-1], 16 - width % 16))), dim=-1)
+        cos, sin = emb.cos()[..., :width], emb.sin()[..., :width]
+        return (cos * scale).to(dtype)[:, None], (sin * scale).to(dtype)[:, None]
 
     def _window_mask(self, mask: torch.Tensor, position_ids: torch.Tensor, window: int) -> torch.Tensor:
         """`mask` [B, 1, 1, T, L] with slots `window` or more positions behind each row's also -inf:
@@ -381,16 +438,20 @@ class SpecGraph(nn.Module):
         behind = position_ids[:, None, None, :, None] - slots  # [B, 1, 1, T, L]
         return mask.masked_fill(behind >= window, float("-inf"))
 
-    def decode(self, h, per_layer, position_ids, write_indices, attention_mask, masks: dict, past: list[torch.Tensor]):
+    def decode(self, h, per_layer, position_ids, write_indices, attention_mask, masks: dict, past: list[torch.Tensor],
+               states: list[torch.Tensor] | None = None, rows: torch.Tensor | None = None):
         """The layers over the embedded rows `h` [B, T, H] -> (the final norm's output, the KV
         buffers as the pass left them, the states `aux_layers` asks for). `masks`: the additive
-        mask of each window (None: full attention), as attention_reference reads it."""
+        mask of each window (None: full attention), as attention_reference reads it. A model with
+        linear-attention layers takes their `states` (convolution, recurrent per layer) before
+        the pass; its states after each of the `rows` [R] follow the KV buffers in the second item."""
         ropes = {}
         if not self.contrib_ops:
             for name in dict.fromkeys(self.rope_of_layer):
                 ropes[name] = self._rope(getattr(self, name), self.rope_scales[name], position_ids, h.dtype)
         norms = self.arch.norms
         caches, aux = list(past), []  # each KV pair as the layers before have left it in this pass
+        state_outputs: list[torch.Tensor] = []
         delta = None  # the last block's output, not yet added to the residual stream h
         for i, layer in enumerate(self.layers):
             x, h = self._norm(getattr(layer, norms.attention_in), h, delta)
@@ -398,11 +459,16 @@ class SpecGraph(nn.Module):
                 aux.append(h.float())
             cos, sin = ropes.get(self.rope_of_layer[i], (None, None))
             j = self.kv_of_layer[i]
-            out, caches[2 * j], caches[2 * j + 1] = self._attention(
-                i, layer.self_attn, x, position_ids, write_indices, attention_mask, masks[self.windows[i]], cos, sin,
-                caches[2 * j], caches[2 * j + 1]
-            )
-            out = layer.self_attn.o_proj(out)
+            if j is None:  # a linear-attention layer: its states in, its states after the rows out
+                s = self.state_of_layer[i]
+                out, conv, recurrent = self.linear[i](x, states[2 * s], states[2 * s + 1], rows)
+                state_outputs += [conv, recurrent]
+            else:
+                out, caches[2 * j], caches[2 * j + 1] = self._attention(
+                    i, layer.self_attn, x, position_ids, write_indices, attention_mask, masks[self.windows[i]], cos,
+                    sin, caches[2 * j], caches[2 * j + 1]
+                )
+                out = layer.self_attn.o_proj(out)
             if norms.attention_out is not None:
                 out = self._rms(getattr(layer, norms.attention_out), out)
             x, h = self._norm(getattr(layer, norms.mlp_in), h, out)
@@ -416,11 +482,13 @@ class SpecGraph(nn.Module):
         x, h = self._norm(self.norm, h, delta)
         if self.num_layers in self.aux_layers:  # Hugging Face's hidden_states[-1]: the final norm's output
             aux.append(x.float())
-        return x, caches, aux
+        return x, caches + state_outputs, aux
 
     def forward(self, input_ids, position_ids, write_indices, attention_mask, past: list[torch.Tensor],
-                logits_rows: torch.Tensor | None = None):
-        """`logits_rows` [R]: the rows whose logits are returned (None: every row)."""
+                logits_rows: torch.Tensor | None = None, states: list[torch.Tensor] | None = None):
+        """`logits_rows` [R]: the rows whose logits are returned (None: every row). `states`: a
+        model with linear-attention layers' states before the pass (convolution, recurrent per
+        layer); it returns them after each of the same R rows, after the KV buffers."""
         b, t = input_ids.shape
         if self.embed_scale is None:
             h = self.embed_tokens(input_ids)
@@ -434,7 +502,9 @@ class SpecGraph(nn.Module):
         masks = {None: mask}
         for window in dict.fromkeys(w for w in self.windows if w is not None):
             masks[window] = self._window_mask(mask, position_ids, window)
-        x, caches, aux = self.decode(h, per_layer, position_ids, write_indices, attention_mask, masks, past)
+        rows = logits_rows if logits_rows is not None else torch.arange(t, device=input_ids.device)
+        x, caches, aux = self.decode(h, per_layer, position_ids, write_indices, attention_mask, masks, past, states,
+                                     rows if self.linear else None)
         if logits_rows is not None:
             x = x.index_select(1, logits_rows)  # one Gather: the head reads R rows, not T
         logits = self.lm_head(x)

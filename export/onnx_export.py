@@ -16,6 +16,7 @@ from specdeploy.core.errors import ExportError
 
 from .graph import SpecGraph
 from .ops import OPSET, kv_write, onnx_translations
+from .recurrent import lower_scans
 
 # --dtype -> the float type of the graph's activations and KV cache. int8/int4 are
 # weight-only (export/quantize.py): activations and the KV cache stay float32.
@@ -48,6 +49,11 @@ def kv_buffers(graph: SpecGraph, max_seq: int, dtype: torch.dtype, batch: int = 
     return [torch.zeros((batch, heads, max_seq, dim), dtype=dtype) for heads, dim in graph.kv_layout for _ in range(2)]
 
 
+def state_buffers(graph: SpecGraph, batch: int = 1) -> list[torch.Tensor]:
+    """Zeroed states of `graph`'s linear-attention layers (float32): convolution, recurrent per layer."""
+    return [torch.zeros((batch, *shape), dtype=torch.float32) for pair in graph.state_layout for shape in pair]
+
+
 def export_onnx(graph: SpecGraph, path: Path, max_seq: int, kv_dtype: torch.dtype, optimize: bool = True,
                 facts: dict | None = None, standard_quant: bool = False, max_batch: int = 1) -> dict[str, int] | None:
     """Export with torch.onnx (dynamo), name the dynamic dims B, T and L, run onnx.checker.
@@ -74,6 +80,8 @@ def export_onnx(graph: SpecGraph, path: Path, max_seq: int, kv_dtype: torch.dtyp
         torch.tensor([0, 2]),  # logits_rows: R = 2 of T = 3, so that the exporter ties neither to the other
         *(torch.zeros((b, t, width)) for width in graph.feature_inputs.values()),  # an EAGLE-3 head's states
     )
+    if graph.state_layout:  # the linear-attention layers' states before the pass
+        example = (*example, state_buffers(graph, b))
     dim_t = torch.export.Dim("T", min=1, max=max_seq)
     dim_l = torch.export.Dim("L", min=1, max=max_seq)
     dim_r = torch.export.Dim("R", min=1, max=max_seq)
@@ -88,8 +96,10 @@ def export_onnx(graph: SpecGraph, path: Path, max_seq: int, kv_dtype: torch.dtyp
         "past": [first or None] * (2 * len(graph.kv_layout)),
         "logits_rows": {0: dim_r},
         **{name: {**first, 1: dim_t} for name in graph.feature_inputs},
+        **({"states": [first or None] * (2 * len(graph.state_layout))} if graph.state_layout else {}),
     }
-    inputs, outputs = io_names(len(graph.kv_layout), True, tuple(graph.feature_inputs), tuple(graph.feature_outputs))
+    inputs, outputs = io_names(len(graph.kv_layout), True, tuple(graph.feature_inputs), tuple(graph.feature_outputs),
+                               len(graph.state_layout))
     with warnings.catch_warnings(), _quiet_exporter():
         warnings.simplefilter("ignore")
         program = torch.onnx.export(
@@ -107,6 +117,7 @@ def export_onnx(graph: SpecGraph, path: Path, max_seq: int, kv_dtype: torch.dtyp
     external = weight_bytes(graph) > INLINE_BYTES
     program.save(path, external_data=external)
     model = onnx.load(str(path))  # the weights too, where they were written beside it
+    lower_scans(model)  # the recurrences of linear-attention layers, as standard ONNX
     _name_dims(model)
     _drop_unused_outputs(model)
     counts = None
@@ -271,6 +282,7 @@ def check_parity(
     # bf16: ONNX Runtime's CPU provider has no bfloat16 kernels; eager is checked against the source
     engine = OrtEngine(onnx_path, spec, max_seq, threads=None) if dtype in NUMPY_DTYPES else None
     past = kv_buffers(graph, max_seq, getattr(torch, spec.kv_dtype))
+    states = state_buffers(graph) if graph.state_layout else None  # eager's, carried from pass to pass
     rng = np.random.default_rng(seed)
     schedule = parity_schedule(max_seq, max_draft, prefill_chunk)
     total = sum(t for _, t in schedule)
@@ -290,8 +302,11 @@ def check_parity(
                 last = t > 1 and i % 2 == 1  # every other pass of several tokens asks for its last row only
                 mask = torch.from_numpy(attention_mask(start, t, spec.sliding_window))
                 outputs = graph(
-                    torch.from_numpy(chunk)[None], torch.arange(start, start + t)[None], torch.tensor([start]), mask, past
+                    torch.from_numpy(chunk)[None], torch.arange(start, start + t)[None], torch.tensor([start]), mask, past,
+                    None, states,
                 )
+                if states is not None:  # the states after the pass's last row open the next
+                    states = [s[:, -1] for s in outputs[1 + len(past) : 1 + len(past) + len(states)]]
                 want = outputs[0][0].float().numpy()
                 eager_rows.append(want)
                 if engine is None:

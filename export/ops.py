@@ -52,13 +52,14 @@ DOMAIN = "com.microsoft"
 
 
 def register_schema(name: str, inputs: list[tuple[str, str]], types: dict[str, list[str]], attributes: dict[str, str],
-                    optional: tuple[str, ...] = (), outputs: list[tuple[str, str]] | None = None) -> None:
+                    optional: tuple[str, ...] = (), outputs: list[tuple[str, str]] | None = None,
+                    domain: str = DOMAIN) -> None:
     """`optional` names attributes, inputs and outputs that may be left out; `outputs`
     defaults to one output of the first input's type."""
     import onnx
     from onnx.defs import OpSchema
 
-    if onnx.defs.has(name, DOMAIN):
+    if onnx.defs.has(name, domain):
         return
     param = OpSchema.FormalParameter
     option = OpSchema.FormalParameterOption
@@ -67,8 +68,8 @@ def register_schema(name: str, inputs: list[tuple[str, str]], types: dict[str, l
         return param(n, t, param_option=option.Optional if n in optional else option.Single)
 
     schema = OpSchema(
-        name, DOMAIN, 1,
-        doc=f"{name} (ONNX Runtime contrib op)",
+        name, domain, 1,
+        doc=f"{name} ({'ONNX Runtime contrib op' if domain == DOMAIN else 'lowered before the graph is saved'})",
         inputs=[formal(n, t) for n, t in inputs],
         outputs=[formal(n, t) for n, t in (outputs or [("Y", inputs[0][1])])],
         type_constraints=[(t, allowed, t) for t, allowed in types.items()],
@@ -346,8 +347,11 @@ def gather_block_quantized_onnx(packed, ids, scales, n, k):
 
 def onnx_translations() -> dict:
     """The exporter's custom translation table: each custom op -> the ONNX function above."""
+    from .recurrent import gated_delta_rule_onnx
+
     ops = torch.ops.specdeploy
     return {
+        ops.gated_delta_rule.default: gated_delta_rule_onnx,
         ops.kv_write.default: kv_write_onnx,
         ops.matmul_nbits.default: matmul_nbits_onnx,
         ops.gather_block_quantized.default: gather_block_quantized_onnx,

@@ -124,6 +124,9 @@ def _layer_groups(arch) -> list[tuple[str, str, tuple[tuple[str, str], ...]]]:
     gate_up = (("gate_up_proj", "ffn_up"),) if arch.packed_gate_up else (("gate_proj", "ffn_gate"), ("up_proj", "ffn_up"))
     groups = [("self_attn", "qkv_proj", qkv), ("mlp", "gate_up_proj", gate_up),
               ("self_attn", "o_proj", (("o_proj", "attn_output"),)), ("mlp", "down_proj", (("down_proj", "ffn_down"),))]
+    if arch.linear_attention:  # Qwen3.5's Gated DeltaNet layers: their three wide projections (a and b: a few rows)
+        groups += [("linear_attn", name, ((name, tensor),)) for name, tensor in
+                   (("in_proj_qkv", "attn_qkv"), ("in_proj_z", "attn_gate"), ("out_proj", "ssm_out"))]
     if arch.layer_configs:  # Gemma 4's experts block beside the MLP (export/experts.py), where a layer has one
         groups += [("experts", "gate_up_proj", (("gate_proj", "ffn_gate_exps"), ("up_proj", "ffn_up_exps"))),
                    ("experts", "down_proj", (("down_proj", "ffn_down_exps"),))]

@@ -86,6 +86,9 @@ def make_model(folder: Path, arch: str = "llama", seed: int = 0, layers: int = 3
         tie_word_embeddings=False,
     )
     kwargs.update(FAMILY_DEFAULTS.get(arch, {}))
+    if arch == "qwen3_5_text":  # linear and full layers alternating, the first and the last linear
+        kwargs["layer_types"] = [("linear" if i % 2 == 0 or i == layers - 1 else "full") + "_attention"
+                                 for i in range(layers)]
     if arch == "gemma4_text":  # sliding and full layers alternating, the last full; from 3 layers on the last
         kwargs["layer_types"] = [("full" if (layers - i) % 2 else "sliding") + "_attention" for i in range(layers)]
         kwargs["num_kv_shared_layers"] = 1 if layers >= 3 else 0  # reads the K/V of the full layer before it
@@ -106,7 +109,8 @@ def make_model(folder: Path, arch: str = "llama", seed: int = 0, layers: int = 3
 # where the family's own are large (Gemma's 256-wide heads) or its quirks should show at once
 # (a head_dim that is not hidden / heads, soft-capping on, windows shorter than a test's text).
 FAMILY_CONFIGS = {"qwen3": "Qwen3Config", "phi3": "Phi3Config", "gemma2": "Gemma2Config", "gemma3_text": "Gemma3TextConfig",
-                  "smollm3": "SmolLM3Config", "gpt_oss": "GptOssConfig", "gemma4_text": "Gemma4TextConfig"}
+                  "smollm3": "SmolLM3Config", "gpt_oss": "GptOssConfig", "gemma4_text": "Gemma4TextConfig",
+                  "qwen3_5_text": "Qwen3_5TextConfig"}
 FAMILY_DEFAULTS = {
     "qwen3": dict(head_dim=24),
     "phi3": dict(sliding_window=None),
@@ -119,6 +123,12 @@ FAMILY_DEFAULTS = {
     # 8 experts, 2 a token, 32 wide (the experts' intermediates side by side: 256); sliding and
     # full layers alternating, yarn rope (the family's default), attention biases and sinks
     "gpt_oss": dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=32, sliding_window=24),
+    # Gated DeltaNet layers with key heads (2) fewer than value heads (4) and fewer than the
+    # attention's (4), 8-wide keys and 16-wide values (64 in all: int4 blocks of 32 divide the
+    # output projection's input); attention heads 24 wide (not hidden / heads) with RoPE over a
+    # quarter of each (the family's partial_rotary_factor)
+    "qwen3_5_text": dict(head_dim=24, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+                         linear_value_head_dim=16, linear_conv_kernel_dim=4),
     # every feature of the text model the graph reproduces at once: sliding (16-wide heads, 2 of
     # them) and full layers (32-wide, 1 head, v = k, proportional rope over a quarter); the last
     # layers reading the K/V of the last earlier layer of their type; their MLP twice as wide;

@@ -39,6 +39,7 @@ from specdeploy.runtime.decoding.tree import TreeLayout
 
 from . import devices
 from .devices import Device, DeviceError
+from .recurrent import RecurrentStates
 
 log = logging.getLogger("specdeploy.runtime")
 
@@ -334,7 +335,8 @@ def _load(graph_path: Path, spec: ModelSpec, max_seq: int, threads: int | None, 
             raise DeviceError(f"{graph_path.name}: {placement.provider} did not load (ONNX Runtime would run this graph "
                               f"on {', '.join(got)}); {CUDA_LIBRARIES}")
         break
-    inputs, outputs = io_names(spec.num_kv_layers, spec.logits_rows, tuple(spec.feature_inputs), tuple(spec.feature_outputs))
+    inputs, outputs = io_names(spec.num_kv_layers, spec.logits_rows, tuple(spec.feature_inputs), tuple(spec.feature_outputs),
+                               len(spec.state_names) // 2)
     have = ({i.name for i in session.get_inputs()}, {o.name for o in session.get_outputs()})
     if have != (set(inputs), set(outputs)):
         missing = sorted((set(inputs) - have[0]) | (set(outputs) - have[1]))
@@ -505,10 +507,12 @@ class OrtEngine:
     def __init__(
         self, graph_path: Path, spec: ModelSpec, max_seq: int, threads: int | None = None,
         session: ort.InferenceSession | None = None, spinning: bool | None = None,
-        placement: Placement | None = None,
+        placement: Placement | None = None, keep_states: int = 16,
     ):
         """`spinning` (see session_options): default on for the target, off for a draft.
-        `session`: one already loaded for `placement` (a fork shares its weights)."""
+        `session`: one already loaded for `placement` (a fork shares its weights). `keep_states`:
+        how many recent positions' recurrent states a model with linear-attention layers keeps
+        (runtime/backends/recurrent.py): a round rolls back at most its draft length."""
         self.spec = spec
         self.graph_path = graph_path
         self.name = f"{spec.role} ({graph_path.name})"
@@ -552,12 +556,17 @@ class OrtEngine:
         width = self.feature_outputs.get(AUX_HIDDEN)
         self.features = np.zeros((max_seq, width), np.float32) if width else None
         self.outputs: dict[str, np.ndarray] = {}
+        self._keep_states = keep_states
+        self.states = RecurrentStates(spec, keep_states, self.name)
+        if self.states and placement.device.kind != "cpu":
+            raise InputError(f"{self.name}: a model with linear-attention layers runs on ONNX Runtime's CPU provider "
+                             f"(or --backend torch); not on {placement.device} yet")
 
     @classmethod
     def from_bundle(cls, bundle, spec: ModelSpec, threads: int | None = None, device: "str | Device | None" = None,
                     trt_ep: bool = False, capture: bool | None = None) -> "OrtEngine":
         return cls(bundle.file(spec.graph), spec, bundle.max_seq, threads,
-                   placement=Placement.for_bundle(bundle, device, trt_ep, capture))
+                   placement=Placement.for_bundle(bundle, device, trt_ep, capture), keep_states=2 * (bundle.max_draft + 1))
 
     def fork(self) -> "OrtEngine":
         """Another engine over the same weights with KV buffers and bindings of its own. ONNX
@@ -566,7 +575,12 @@ class OrtEngine:
         fork loads a session of its own."""
         return OrtEngine(self.graph_path, self.spec, self.max_seq, self._threads,
                          session=None if self.placement.capture else self.session, spinning=self._spinning,
-                         placement=self.placement)
+                         placement=self.placement, keep_states=self._keep_states)
+
+    def resumable(self, length: int) -> int:
+        """The longest prefix, at most `length` tokens, a pass may start after (a model with
+        recurrent states keeps them at recent positions only; K/V alone allow any)."""
+        return self.states.resumable(length) if self.states else length
 
     def kv_addresses(self) -> list[int]:
         return [v.data_ptr() for v in self._kv_values]
@@ -623,6 +637,8 @@ class OrtEngine:
         if self.features is not None:  # this pass's rows of the target's states, at their positions
             binding.bind_output(AUX_HIDDEN, "cpu", 0, np.float32, [1, t, self.features.shape[1]],
                                 self.features[start].ctypes.data)
+        if self.states:  # the state kept at `start` in, those after the returned rows out
+            self.states.bind(binding, start, t, 1 if last else t)
         if not stage.on_host:
             binding.synchronize_inputs()  # update_inplace copied from pageable memory: the device has it before the run
         try:
@@ -631,8 +647,12 @@ class OrtEngine:
             else:
                 self.session.run_with_iobinding(binding, run_options)
         except RuntimeError as e:  # onnxruntime's run errors: the graph and the manifest disagree, or the device failed
+            if self.states:
+                self.states.fail()
             raise BundleError(f"{self.name}: ONNX Runtime failed a pass of {t} tokens at {start} "
                               f"({_reason(e)})") from None
+        if self.states:
+            self.states.commit()
         for name, array in stage.features_out.items():
             self.outputs[name] = array[0, : 1 if last else t]
         return stage.read_logits(last)
@@ -689,9 +709,10 @@ def tree_capable(spec: ModelSpec, placement: Placement) -> bool:
     but at other slots, so its sums round differently (fp32: within 3e-5 of the step's logits);
     through int8 activations that becomes up to 1.5 (SmolLM2 int4, measured), enough to change
     greedy tokens. Not a GPU yet: `move_kv` copies on the host (the torch backend runs trees
-    on CUDA)."""
+    on CUDA). Not a model with recurrent states: a tree's rows are not one sequence, and a
+    recurrence runs its rows in order."""
     return (spec.attention != "fused" and spec.sliding_window is None and spec.dtype in FLOAT_DTYPES
-            and placement.device.kind == "cpu")
+            and placement.device.kind == "cpu" and not spec.state_names)
 
 
 def _run_options(graph_id: int) -> ort.RunOptions:

@@ -47,6 +47,9 @@ class OrtBatchEngine:
         if batch_dim(session) != "B":
             raise BundleError(f"{graph_path}: its graph carries one sequence per pass (exported before batched "
                               "passes); re-export the bundle to batch")
+        if spec.state_names:
+            raise InputError(f"{graph_path.name}: a model with linear-attention layers runs one sequence a session "
+                             "(batched passes keep no recurrent states per slot yet)")
         if spec.feature_inputs:
             raise InputError(f"{graph_path.name}: an EAGLE-3 head runs one sequence a pass (each lane's head "
                              "engine is its own); its target batches")

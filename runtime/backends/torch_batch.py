@@ -48,6 +48,9 @@ class TorchBatchEngine:
         if spec.feature_inputs or spec.feature_outputs:
             raise InputError(f"{spec.role}: an EAGLE-3 bundle batches on --backend ort (the torch backend's batched "
                              "passes return no hidden states yet)")
+        if spec.state_names:
+            raise InputError(f"{spec.role}: a model with linear-attention layers runs on ONNX Runtime's CPU provider, "
+                             "one sequence a session (no backend's batched passes keep recurrent states yet)")
         self.spec, self.max_seq, self.max_batch = spec, max_seq, max_batch
         self.name = f"{spec.role} (torch, batched)"
         self.vocab_size = spec.vocab_size

@@ -138,6 +138,9 @@ class TorchEngine:
         min_window: int = 64,
         warmup: int = 2,
     ):
+        if spec.state_names:
+            raise InputError(f"{spec.role} (torch): a model with linear-attention layers runs on ONNX Runtime's CPU "
+                             "provider (--backend ort); the torch backend keeps no recurrent states yet")
         self._options = dict(capture=capture, buckets=buckets, capture_max_t=capture_max_t, min_window=min_window,
                              warmup=warmup)
         self.chains = True  # draft_chain / verify_chain: a round with one host synchronisation
@@ -229,6 +232,9 @@ class TorchEngine:
 
     def kv_addresses(self) -> list[int]:
         return [t.data_ptr() for t in self.kv]
+
+    def resumable(self, length: int) -> int:
+        return length  # K/V only: any prefix (see Engine.resumable)
 
     @property
     def kv_arrays(self) -> list[np.ndarray]:

@@ -97,6 +97,9 @@ class TrtEngine:
             from .ort import no_bfloat16
 
             raise InputError(no_bfloat16(spec, self.plan_path.name, "the trt backend"))
+        if spec.state_names:
+            raise InputError(f"{self.name}: a model with linear-attention layers runs on ONNX Runtime's CPU provider; "
+                             "the trt backend keeps no recurrent states yet")
         self._modules = modules or import_modules()
         trt, cudart = self._modules
         self._cuda = cuda = Cuda(cudart)
@@ -185,6 +188,9 @@ class TrtEngine:
                 f"{bundle.file(entry['plan'])}: built from another {spec.graph}; rebuild it with `specdeploy build {bundle.path}`"
             )
         return cls(bundle.file(entry["plan"]), spec, bundle.max_seq, entry, **kwargs)
+
+    def resumable(self, length: int) -> int:
+        return length  # K/V only: any prefix (see Engine.resumable)
 
     def fork(self) -> "TrtEngine":
         """Another engine over the same deserialized weights, with its own stream, buffers,

@@ -37,6 +37,13 @@ class Engine(Protocol):
         return that row alone ([1, V])."""
         ...
 
+    def resumable(self, length: int) -> int:
+        """The longest prefix, at most `length` tokens, that a pass may start after: `length`
+        itself where the engine keeps only K/V; a model with recurrent states keeps them at
+        recent positions only (runtime/backends/recurrent.py), and the caller feeds the tokens
+        from the prefix this returns on."""
+        ...
+
     # -- only where `trees` is True --------------------------------------------------------
     # forward(token_ids, start, tree=TreeLayout): a tree pass (runtime/tree.py)
     def move_kv(self, source: np.ndarray, start: int) -> None:

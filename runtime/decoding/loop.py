@@ -60,7 +60,7 @@ class PromptCache:
             return 0
         m = min(self.length, prompt.shape[0] - 1)
         differ = np.flatnonzero(self.ids[:m] != prompt[:m])
-        return int(differ[0]) if differ.size else m
+        return target.resumable(int(differ[0]) if differ.size else m)
 
     def hold(self, target: Engine, ids: np.ndarray, length: int) -> None:
         self.ids[:length] = ids[:length]

@@ -52,7 +52,7 @@ class ModelDrafter:
             self.length = 0
         m = min(self.length, ids.shape[0] - 1)
         same = self.fed[:m] == ids[:m]
-        self.length = m if same.all() else int(same.argmin())
+        self.length = self.engine.resumable(m if same.all() else int(same.argmin()))
         return ids[self.length :]
 
     def fused_with(self, target: Engine) -> bool:
