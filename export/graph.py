@@ -38,7 +38,7 @@ from specdeploy.core.errors import ExportError
 from .architectures import LINEAR, Architecture, check_config
 from .experts import gemma4_routing
 from .quantize import QuantEmbedding
-from .ops import attention_reference, fused_attention_eager, group_query_attention, kv_write, rope_caches, rotary, skip_rms_norm
+from .ops import aligned, attention_reference, fused_attention_eager, group_query_attention, kv_write, rope_caches, rotary, skip_rms_norm
 from .recurrent import GatedDeltaNet
 
 
@@ -382,7 +382,7 @@ class SpecGraph(nn.Module):
             q, k, v, key_cache, value_cache, write_indices, mask, self.scaling, write, softcap=self.attn_softcap,
             sinks=attn.sinks if self.arch.sinks else None)
         if gate is not None:
-            out = out * torch.sigmoid(gate)
+            out = out * aligned(torch.sigmoid, gate)
         return out, key_cache, value_cache
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -414,18 +414,11 @@ class SpecGraph(nn.Module):
                                    softcap=self.attn_softcap)
 
     def _rope(self, inv_freq: torch.Tensor, scale: float, position_ids: torch.Tensor, dtype: torch.dtype):
-        """cos, sin [B, 1, T, D] at position_ids, as the source's rotary module computes them.
-
-        ONNX Runtime's Cos and Sin run 16 floats at a time and the remainder one by one, and the
-        two paths can round differently: a row of D angles must take the same path whatever T is
-        (a verify pass's rows equal single steps bit for bit), so a D that is not a multiple of
-        16 (a partial rotary's 6, a 24-wide head's) is padded with zero angles to one."""
+        """cos, sin [B, 1, T, D] at position_ids, as the source's rotary module computes them
+        (over D padded to a multiple of 16: ops.aligned)."""
         freqs = position_ids[..., None].float() * inv_freq  # [B, T, D/2]
         emb = torch.cat((freqs, freqs), dim=-1)
-        width = emb.shape[-1]
-        if width % 16:
-            emb = torch.cat((emb, emb.new_zeros((*emb.shape[:-1], 16 - width % 16))), dim=-1)
-        cos, sin = emb.cos()[..., :width], emb.sin()[..., :width]
+        cos, sin = aligned(torch.cos, emb), aligned(torch.sin, emb)
         return (cos * scale).to(dtype)[:, None], (sin * scale).to(dtype)[:, None]
 
     def _window_mask(self, mask: torch.Tensor, position_ids: torch.Tensor, window: int) -> torch.Tensor:

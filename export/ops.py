@@ -24,6 +24,18 @@ BLOCK = 32  # MatMulNBits / GatherBlockQuantized block size along the input dime
 ACCURACY_LEVEL = 4  # MatMulNBits: int8 activations per block (MLAS's fast CPU path)
 
 
+def aligned(fn, x: torch.Tensor) -> torch.Tensor:
+    """fn (element-wise) over x, its last dimension padded with zeros to a multiple of 16 where
+    it is not one. ONNX Runtime computes Exp, Sin, Cos, Softplus, Sigmoid and SiLU 16 floats at
+    a time and a remainder one by one, and the two paths round differently (measured: Sin over
+    6 angles, Softplus over 6 heads, a few ulps): a row must take the same path whatever T is,
+    so that a verify pass's rows equal single steps bit for bit."""
+    width = x.shape[-1]
+    if width % 16 == 0:
+        return fn(x)
+    return fn(torch.cat((x, x.new_zeros((*x.shape[:-1], 16 - width % 16))), dim=-1))[..., :width]
+
+
 # -- the KV write (every graph)
 
 @torch.library.custom_op("specdeploy::kv_write", mutates_args=())

@@ -25,6 +25,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .ops import aligned
+
 DOMAIN = "specdeploy"  # the placeholder's domain: no graph that leaves export contains it
 
 
@@ -86,10 +88,11 @@ def causal_conv(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor, rows
     out = joined[:, :, 0:t] * weight[:, 0:1]
     for j in range(1, kernel):
         out = out + joined[:, :, j : j + t] * weight[:, j : j + 1]
+    out = aligned(F.silu, out.transpose(1, 2))  # [B, T, C]
     # the state after row i: inputs i+1 .. i+K-1 of the joined sequence
     index = (torch.arange(r, device=x.device) + (t - r + 1))[:, None] + torch.arange(kernel - 1, device=x.device)
     states = joined[:, :, index].permute(0, 2, 1, 3)  # [B, R, C, K-1]
-    return F.silu(out).transpose(1, 2), states
+    return out, states
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -124,14 +127,15 @@ class GatedDeltaNet:
         q = q.reshape(b, t, self.k_heads, self.dk).float()
         k = k.reshape(b, t, self.k_heads, self.dk).float()
         v = v.reshape(b, t, self.v_heads, self.dv).float()
-        beta = torch.sigmoid(m.in_proj_b(x)).float()
-        g = -m.A_log.float().exp() * F.softplus(m.in_proj_a(x).float() + m.dt_bias)
+        # [B, T, heads]: a few floats a row (ops.aligned)
+        beta = aligned(torch.sigmoid, m.in_proj_b(x)).float()
+        g = -m.A_log.float().exp() * aligned(F.softplus, m.in_proj_a(x).float() + m.dt_bias)
         if self.k_heads != self.v_heads:  # each q/k head serves v_heads / k_heads consecutive value heads
             q = q.repeat_interleave(self.v_heads // self.k_heads, dim=2)
             k = k.repeat_interleave(self.v_heads // self.k_heads, dim=2)
         q = l2norm(q) * (self.dk**-0.5)
         k = l2norm(k)
-        out, states = gated_delta_rule(q, k, v, g.exp(), beta, state, rows)
+        out, states = gated_delta_rule(q, k, v, aligned(torch.exp, g), beta, state, rows)
         z = m.in_proj_z(x).reshape(b, t, self.v_heads, self.dv)
         out = _gated_norm(m.norm, out.to(x.dtype), z)
         return m.out_proj(out.reshape(b, t, self.value_dim)), conv_states, states
@@ -143,7 +147,7 @@ def _gated_norm(norm: torch.nn.Module, x: torch.Tensor, gate: torch.Tensor) -> t
     dtype = x.dtype
     x32 = x.float()
     normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)
-    return (norm.weight * normed.to(dtype) * F.silu(gate.float())).to(dtype)
+    return (norm.weight * normed.to(dtype) * aligned(F.silu, gate.float())).to(dtype)
 
 
 # -- the placeholder lowered to standard ONNX

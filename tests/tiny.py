@@ -123,11 +123,11 @@ FAMILY_DEFAULTS = {
     # 8 experts, 2 a token, 32 wide (the experts' intermediates side by side: 256); sliding and
     # full layers alternating, yarn rope (the family's default), attention biases and sinks
     "gpt_oss": dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=32, sliding_window=24),
-    # Gated DeltaNet layers with key heads (2) fewer than value heads (4) and fewer than the
-    # attention's (4), 8-wide keys and 16-wide values (64 in all: int4 blocks of 32 divide the
-    # output projection's input); attention heads 24 wide (not hidden / heads) with RoPE over a
-    # quarter of each (the family's partial_rotary_factor)
-    "qwen3_5_text": dict(head_dim=24, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+    # Gated DeltaNet layers with 2 key heads, 6 value heads (3 a key head; the attention has 4),
+    # 8-wide keys and 16-wide values (96 in all: int4 blocks of 32 divide the output
+    # projection's input); attention heads 24 wide (not hidden / heads) with RoPE over a quarter
+    # of each (the family's partial_rotary_factor)
+    "qwen3_5_text": dict(head_dim=24, linear_num_key_heads=2, linear_num_value_heads=6, linear_key_head_dim=8,
                          linear_value_head_dim=16, linear_conv_kernel_dim=4),
     # every feature of the text model the graph reproduces at once: sliding (16-wide heads, 2 of
     # them) and full layers (32-wide, 1 head, v = k, proportional rope over a quarter); the last
