@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -321,8 +322,19 @@ class ModelSpec:
         itemsize = 4 if self.kv_dtype == "float32" else 2
         return sum(heads * max_seq * dim * itemsize for heads, dim in self.kv_shapes)
 
+    @property
+    def state_bytes(self) -> int:
+        """What the recurrent states of its linear-attention layers take at one position (float32)."""
+        return sum(4 * math.prod(self.state_shape(name)[1:]) for name, _ in self.state_names)
+
     def replace(self, **changes) -> "ModelSpec":
         return dataclasses.replace(self, **changes)
+
+
+def kept_positions(max_draft: int) -> int:
+    """How many recent positions' recurrent states a sequence keeps (runtime/backends/recurrent.py):
+    a round's verify pass returns max_draft + 1, and a draft model resumes at most that far back."""
+    return max_draft + 2
 
 
 @dataclass(frozen=True)
@@ -534,6 +546,10 @@ class Manifest:
         parts = " + ".join(f"{role} {mib(m.kv_bytes(self.max_seq))} {m.kv_dtype}" for role, m in keeping.items())
         line = f"K/V {mib(self.kv_bytes())} per sequence at max_seq {self.max_seq}"
         line += f" ({parts})" if len(keeping) > 1 else f" ({self.models['target'].kv_dtype})"
+        states = sum(m.state_bytes for m in self.models.values())
+        if states:  # models with recurrent layers run one sequence a session: no batch slots
+            keep = kept_positions(self.max_draft)
+            return line + f"; recurrent states {mib(states)} a position, {mib(states * keep)} per sequence ({keep} positions kept)"
         if self.max_batch > 1:
             line += f", {mib(self.kv_bytes() * self.max_batch)} for {self.max_batch} batch slots (serve)"
         return line

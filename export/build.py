@@ -240,6 +240,12 @@ def _export_model(
     max_batch: int = 1, kv_dtype: str | None = None,
 ) -> ModelSpec:
     graph_file = f"{role}.onnx"
+    if graph.state_layout and device != "cpu":
+        raise ExportError(f"--for {device}: {graph.arch.family}'s linear-attention layers keep recurrent states, which "
+                          "only ONNX Runtime's CPU provider keeps yet; use --for cpu")
+    if graph.state_layout and graph.aux_layers:
+        raise ExportError(f"--draft eagle3: an EAGLE-3 head over {graph.arch.family}'s linear-attention layers is not "
+                          "implemented; use a model, self, ngram or suffix draft")
     t0 = time.perf_counter()
     fused = attention == "fused"
     quantized = graph.quantization is not None

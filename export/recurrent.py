@@ -32,12 +32,14 @@ DOMAIN = "specdeploy"  # the placeholder's domain: no graph that leaves export c
 
 def _step(s, q, k, v, decay, beta):
     """One token of the gated delta rule: s [B, H, Dk, Dv]; q, k [B, H, Dk]; v [B, H, Dv];
-    decay (exp of the gate) and beta [B, H] -> (the state after it, its output [B, H, Dv])."""
+    decay (exp of the gate) and beta [B, H] -> (the state after it, its output [B, H, Dv]).
+    The products with the state are matmuls (a row times the state reads it once; the source's
+    multiply-and-sum writes and reads a copy), the outer product one of inner size 1 (exact)."""
     s = s * decay[..., None, None]
-    kv_mem = (s * k[..., None]).sum(-2)
+    kv_mem = (k[..., None, :] @ s)[..., 0, :]
     delta = (v - kv_mem) * beta[..., None]
-    s = s + k[..., None] * delta[..., None, :]
-    return s, (s * q[..., None]).sum(-2)
+    s = s + k[..., :, None] @ delta[..., None, :]
+    return s, (q[..., None, :] @ s)[..., 0, :]
 
 
 @torch.library.custom_op("specdeploy::gated_delta_rule", mutates_args=())
@@ -158,24 +160,25 @@ def _body(keep_states: bool):
 
     f = TensorProto.FLOAT
     inputs = [helper.make_tensor_value_info(n, f, None) for n in ("s_in", "q", "k", "v", "decay", "beta")]
-    nodes = [
+    nodes = [  # as _step: [B, H, ...] throughout
         helper.make_node("Constant", [], ["ax23"], value_ints=[2, 3]),
         helper.make_node("Constant", [], ["ax3"], value_ints=[3]),
         helper.make_node("Constant", [], ["ax2"], value_ints=[2]),
         helper.make_node("Unsqueeze", ["decay", "ax23"], ["decay4"]),
         helper.make_node("Mul", ["s_in", "decay4"], ["s1"]),
-        helper.make_node("Unsqueeze", ["k", "ax3"], ["k4"]),
-        helper.make_node("Mul", ["s1", "k4"], ["sk"]),
-        helper.make_node("ReduceSum", ["sk", "ax2"], ["kv_mem"], keepdims=0),
+        helper.make_node("Unsqueeze", ["k", "ax2"], ["k_row"]),  # [B, H, 1, Dk]
+        helper.make_node("MatMul", ["k_row", "s1"], ["kv_mem4"]),
+        helper.make_node("Squeeze", ["kv_mem4", "ax2"], ["kv_mem"]),
         helper.make_node("Sub", ["v", "kv_mem"], ["diff"]),
         helper.make_node("Unsqueeze", ["beta", "ax2"], ["beta3"]),
         helper.make_node("Mul", ["diff", "beta3"], ["delta"]),
-        helper.make_node("Unsqueeze", ["delta", "ax2"], ["delta4"]),
-        helper.make_node("Mul", ["k4", "delta4"], ["outer"]),
+        helper.make_node("Unsqueeze", ["k", "ax3"], ["k_col"]),  # [B, H, Dk, 1]
+        helper.make_node("Unsqueeze", ["delta", "ax2"], ["delta_row"]),
+        helper.make_node("MatMul", ["k_col", "delta_row"], ["outer"]),
         helper.make_node("Add", ["s1", "outer"], ["s_out"]),
-        helper.make_node("Unsqueeze", ["q", "ax3"], ["q4"]),
-        helper.make_node("Mul", ["s_out", "q4"], ["sq"]),
-        helper.make_node("ReduceSum", ["sq", "ax2"], ["o"], keepdims=0),
+        helper.make_node("Unsqueeze", ["q", "ax2"], ["q_row"]),
+        helper.make_node("MatMul", ["q_row", "s_out"], ["o4"]),
+        helper.make_node("Squeeze", ["o4", "ax2"], ["o"]),
     ]
     outputs = [helper.make_tensor_value_info(n, f, None) for n in ("s_out", "o")]
     if keep_states:

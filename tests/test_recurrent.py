@@ -337,3 +337,14 @@ def test_what_does_not_keep_recurrent_states_is_refused_in_one_line(models, bund
         assert "linear-attention" in str(e.value) and "\n" not in str(e.value)
     with pytest.raises(ExportError, match=r"first 1 layers are all linear attention.*self:layers, take more"):
         build_bundle(models["qwen35"], "self:layers=1", tmp_path / "b", max_seq=MAX_SEQ)
+    with pytest.raises(ExportError, match=r"--for tensorrt: .* keep recurrent states, which only ONNX Runtime's CPU"):
+        build_bundle(models["qwen35"], "ngram", tmp_path / "t", max_seq=MAX_SEQ, device="tensorrt")
+    import json
+
+    for name, overrides, field in (("mamba", dict(layer_types=[LINEAR, FULL, "mamba"]), "layer_types: 'mamba'"),
+                                   ("biased", dict(attention_bias=True), "attention_bias")):
+        tiny.make_model(tmp_path / name, "qwen3_5_text", layers=3)
+        config = tmp_path / name / "config.json"
+        config.write_text(json.dumps({**json.loads(config.read_text()), **overrides}))
+        with pytest.raises(ExportError, match=f"config {field}"):
+            build_bundle(tmp_path / name, "ngram", tmp_path / f"{name}-b", max_seq=MAX_SEQ)

@@ -34,7 +34,7 @@ import onnxruntime as ort
 from specdeploy.core.errors import BundleError, InputError
 from specdeploy.core.graph_io import AUX_HIDDEN, GRAPH_FACTS, LOGITS_ROWS, check_pass, fill_mask, fill_tree_mask, graph_facts, io_names, window_length
 from specdeploy.core.choices import DTYPES, FLOAT_DTYPES, NUMPY_DTYPES
-from specdeploy.core.manifest import ModelSpec
+from specdeploy.core.manifest import ModelSpec, kept_positions
 from specdeploy.runtime.decoding.tree import TreeLayout
 
 from . import devices
@@ -566,7 +566,8 @@ class OrtEngine:
     def from_bundle(cls, bundle, spec: ModelSpec, threads: int | None = None, device: "str | Device | None" = None,
                     trt_ep: bool = False, capture: bool | None = None) -> "OrtEngine":
         return cls(bundle.file(spec.graph), spec, bundle.max_seq, threads,
-                   placement=Placement.for_bundle(bundle, device, trt_ep, capture), keep_states=2 * (bundle.max_draft + 1))
+                   placement=Placement.for_bundle(bundle, device, trt_ep, capture),
+                   keep_states=kept_positions(bundle.max_draft))
 
     def fork(self) -> "OrtEngine":
         """Another engine over the same weights with KV buffers and bindings of its own. ONNX

@@ -11,12 +11,14 @@ def describe(bundle: Bundle) -> str:
     from specdeploy.runtime.decoding.drafters import drafter_class
 
     m = bundle.manifest
+    recurrent = any(e.state_names for e in m.models.values())
     lines = [
         f"bundle      {bundle.path}",
         f"digest      {bundle.digest} (pins the manifest and, through its checksums, every file)",
         f"format      {FORMAT} v{m.format_version}, {m.created_by}, {m.created_at or '?'}",
         f"sequence    max {m.max_seq} tokens (prompt + new), draft up to {m.max_draft} per round, "
         f"prefill chunk {m.prefill_chunk}",
+        "batch       one sequence a session: batched passes keep no recurrent states per slot yet" if recurrent else
         f"batch       up to {m.max_batch} sequences a pass"
         + (" (serve batches)" if m.max_batch > 1 else " (exported before batched passes)"),
         f"memory      {m.kv_cost()}",
@@ -37,6 +39,10 @@ def describe(bundle: Bundle) -> str:
                 f"{m.max_seq}, {dim}]" for (heads, dim), n in Counter(e.kv_shapes).items()) + " "
             f"{e.kv_dtype}, written in place"
             + (f", sliding window {e.sliding_window}" if e.sliding_window else ""),
+            *([f"            recurrent states: {len(e.state_names) // 2} linear-attention layers (Gated DeltaNet), "
+               "each a convolution state " + str(list(e.state_shape(e.state_names[0][0])[1:])) + " and a recurrent "
+               "state " + str(list(e.state_shape(e.state_names[1][0])[1:])) + " float32, returned after each row "
+               "a pass returns logits for"] if e.state_names else []),
             "            attention: " + (
                 "exact (verify rows equal single steps bit for bit)" if e.attention == "exact" else
                 "fused (ONNX Runtime GroupQueryAttention; verify rows equal single steps up to rounding)"),
