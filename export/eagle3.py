@@ -543,6 +543,8 @@ class Eagle3Graph(nn.Module):
     fc has no bias, so fc(zeros) adds nothing: one graph serves both kinds of row. It borrows
     the head module's own submodules (quantized in place for int8/int4)."""
 
+    state_layout = ()  # no linear-attention layers: no recurrent states (export/recurrent.py)
+
     feature_outputs_order = ("draft_hidden_out",)
 
     def __init__(self, head: Eagle3Head, embed: nn.Module, inplace: bool = False):

@@ -276,20 +276,10 @@ def test_sampled_speculation_keeps_each_familys_distribution(name, tmp_path):
     tokens' frequencies over 1,500 seeds against the target's exact distribution, the suite's
     chi-square test (test_sampling.py: alpha 1e-3, and its companion showing a broken sampler
     fails it)."""
-    from test_sampling import ALPHA, SAMPLES, SETTINGS, chi_square_pvalue, exact_first_two, sampled_first_two
-    from tiny import VOCAB, prompt_with_a_fair_draft as _prompt_with_a_fair_draft
+    from test_sampling import assert_a_familys_self_draft_keeps_the_distribution
 
     arch, extra = FAMILIES[name]
-    tiny.make_model(tmp_path / "m", arch, seed=21, layers=2, vocab_size=VOCAB, initializer_range=0.5, **extra)
-    build_bundle(tmp_path / "m", "self:dtype=int8", tmp_path / "b", max_seq=32, max_draft=4, prefill_chunk=8)
-    session = Session(tmp_path / "b")
-    session.eos_token_ids = []
-    prompt = _prompt_with_a_fair_draft(session)
-    exact = exact_first_two(session, prompt, SETTINGS[0])
-    counts = sampled_first_two(session, prompt, SETTINGS[0], SAMPLES)
-    assert session.generate(prompt_ids=prompt, max_new_tokens=3, seed=0, temperature=1.0, draft_len=4).stats.drafted
-    pvalue, cells = chi_square_pvalue(exact, counts, SAMPLES)
-    assert cells >= 5 and pvalue > ALPHA, f"chi-square p = {pvalue:.2e} over {cells} cells"
+    assert_a_familys_self_draft_keeps_the_distribution(tmp_path, arch, **extra)
 
 
 @pytest.mark.parametrize("rope", [

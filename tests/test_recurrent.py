@@ -195,6 +195,7 @@ def bundles(models, tmp_path_factory):
             built[key] = out
         return built[key]
 
+    get.cache = root / "graphs"
     return get
 
 
@@ -306,21 +307,9 @@ def test_the_prompt_cache_resumes_from_a_kept_state_or_prefills(bundles):
 def test_sampled_speculation_keeps_the_distribution(tmp_path):
     """Seeded sampling through an int8 self-draft: the suite's chi-square test (test_sampling.py:
     alpha 1e-3, and its companion showing a broken sampler fails it)."""
-    from test_sampling import ALPHA, SAMPLES, SETTINGS, chi_square_pvalue, exact_first_two, sampled_first_two
-    from tiny import VOCAB, prompt_with_a_fair_draft
+    from test_sampling import assert_a_familys_self_draft_keeps_the_distribution
 
-    tiny.make_model(tmp_path / "m", "qwen3_5_text", seed=21, layers=2, vocab_size=VOCAB, initializer_range=0.5,
-                    layer_types=[LINEAR, FULL])
-    build_bundle(tmp_path / "m", "self:dtype=int8", tmp_path / "b", max_seq=32, max_draft=4, prefill_chunk=8)
-    session = Session(tmp_path / "b")
-    session.eos_token_ids = []
-    prompt = prompt_with_a_fair_draft(session)
-    exact = exact_first_two(session, prompt, SETTINGS[0])
-    counts = sampled_first_two(session, prompt, SETTINGS[0], SAMPLES)
-    stats = session.generate(prompt_ids=prompt, max_new_tokens=3, seed=0, temperature=1.0, draft_len=4).stats
-    assert stats.drafted
-    pvalue, cells = chi_square_pvalue(exact, counts, SAMPLES)
-    assert cells >= 5 and pvalue > ALPHA, f"chi-square p = {pvalue:.2e} over {cells} cells"
+    assert_a_familys_self_draft_keeps_the_distribution(tmp_path, "qwen3_5_text", layer_types=[LINEAR, FULL])
 
 
 @pytest.mark.bundle
@@ -336,7 +325,8 @@ def test_what_does_not_keep_recurrent_states_is_refused_in_one_line(models, bund
             make()
         assert "linear-attention" in str(e.value) and "\n" not in str(e.value)
     with pytest.raises(ExportError, match=r"first 1 layers are all linear attention.*self:layers, take more"):
-        build_bundle(models["qwen35"], "self:layers=1", tmp_path / "b", max_seq=MAX_SEQ)
+        build_bundle(models["qwen35"], "self:layers=1", tmp_path / "b", max_seq=MAX_SEQ, max_draft=8,
+                     prefill_chunk=16, cache=bundles.cache)  # the target from the cache: the draft is refused
     with pytest.raises(ExportError, match=r"--for tensorrt: .* keep recurrent states, which only ONNX Runtime's CPU"):
         build_bundle(models["qwen35"], "ngram", tmp_path / "t", max_seq=MAX_SEQ, device="tensorrt")
     tiny.make_model(tmp_path / "biased", "qwen3_5_text", layers=3, attention_bias=True)

@@ -153,6 +153,25 @@ def assert_drafts_keep_the_distribution(session, prompt, setting):
     assert cells >= 5 and pvalue > ALPHA, f"chi-square p = {pvalue:.2e} over {cells} cells"
 
 
+def assert_a_familys_self_draft_keeps_the_distribution(folder, arch: str, **overrides):
+    """A tiny 2-layer model of `arch` (make_model `overrides`) in `folder`, exported with an int8
+    self-draft: seeded sampling's first two tokens over SAMPLES seeds against the target's exact
+    distribution (chi-square, ALPHA)."""
+    import tiny
+    from specdeploy.export import build_bundle
+
+    tiny.make_model(folder / "m", arch, seed=21, layers=2, vocab_size=tiny.VOCAB, initializer_range=0.5, **overrides)
+    build_bundle(folder / "m", "self:dtype=int8", folder / "b", max_seq=32, max_draft=4, prefill_chunk=8)
+    session = Session(folder / "b")
+    session.eos_token_ids = []
+    prompt = tiny.prompt_with_a_fair_draft(session)
+    exact = exact_first_two(session, prompt, SETTINGS[0])
+    counts = sampled_first_two(session, prompt, SETTINGS[0], SAMPLES)
+    assert session.generate(prompt_ids=prompt, max_new_tokens=3, seed=0, temperature=1.0, draft_len=4).stats.drafted
+    pvalue, cells = chi_square_pvalue(exact, counts, SAMPLES)
+    assert cells >= 5 and pvalue > ALPHA, f"chi-square p = {pvalue:.2e} over {cells} cells"
+
+
 def assert_misreported_probabilities_are_caught(session, prompt, drafter, flat_width, monkeypatch):
     """The companion: `drafter` made to report its drafts as drawn from a uniform distribution
     over `flat_width(proposal, drafter)` tokens (None: keep the proposal's own probabilities):
