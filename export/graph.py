@@ -14,6 +14,11 @@ for prefill.
                                           chunk or a draft's catch-up only for its last)
     present_key_i   [B, Hkv, S, D]        the same buffer, written in place at write_indices
 
+A model with linear-attention layers (Qwen3.5) also takes, per such layer, its convolution and
+recurrent states before the pass (`conv_state_i` [B, C, K-1], `recurrent_state_i` [B, H, Dk, Dv],
+float32) and returns them after each of the R rows (`conv_states_i`, `recurrent_states_i`
+[B, R, ...]): export/recurrent.py.
+
 The head reads only the rows asked for: it is a fifth of SmolLM2's weights and of a
 prefill chunk's arithmetic, and a prefill chunk needs none of its rows (the prompt's last
 token opens the first round). The rows are data with a shape of their own (R), so one

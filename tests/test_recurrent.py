@@ -162,6 +162,53 @@ def test_the_lowered_recurrence_equals_eager_and_its_rows_equal_single_steps_bit
     assert np.array_equal(np.concatenate(conv_states, 1)[:, t - r :], got[3])
 
 
+# -- the states kept by position (no graph) ---------------------------------------------------
+
+class _Binding:
+    """Records the arrays RecurrentStates binds, by name (inputs and outputs alike)."""
+
+    def __init__(self):
+        self.arrays = {}
+
+    def bind_input(self, name, device, index, dtype, shape, address):
+        import ctypes
+
+        pointer = ctypes.cast(address, ctypes.POINTER(ctypes.c_float))
+        self.arrays[name] = np.ctypeslib.as_array(pointer, shape=tuple(shape))
+
+    bind_output = bind_input
+
+
+def test_states_are_kept_by_position_and_a_pass_reads_the_one_at_its_start():
+    """Passes of every shape the loop makes (prefill chunks returning one state, steps, verify
+    passes returning all, rollbacks of any depth, passes that wrap around the ring): each reads
+    the state of exactly its start, `resumable` names only kept positions, and a position past
+    a pass's start is never read again before a pass writes it anew."""
+    from specdeploy.core.manifest import ModelSpec
+
+    spec = ModelSpec(role="target", graph="g.onnx", num_layers=2, num_kv_heads=1, head_dim=1, vocab_size=4,
+                     kv_dtype="float32", inputs={"conv_state_0": ["B", 2, 3], "recurrent_state_0": ["B", 2, 2, 2]})
+    states = recurrent.RecurrentStates(spec, keep=6, name="target")
+    rng = np.random.default_rng(0)
+    length = 0
+    for i in range(300):
+        start = int(rng.integers(max(0, length - 5), length + 1)) if length else 0
+        start = states.resumable(start)
+        t = int(rng.integers(1, 7))
+        rows = t if rng.random() < 0.6 else 1
+        binding = _Binding()
+        states.bind(binding, start, t, rows)
+        for name in ("conv_state_0", "recurrent_state_0"):  # the state of exactly `start` (0: zeros)
+            assert np.all(binding.arrays[name] == start), (i, start, name)
+        for name in ("conv_states_0", "recurrent_states_0"):  # the graph, played: row r's state is its position's
+            for r in range(rows):
+                binding.arrays[name][0, r] = start + t - rows + 1 + r
+        states.commit()
+        assert all(p <= start + t for p in states.slot_of)
+        assert start + t in states.slot_of  # the pass's last state is always kept
+        length = start + t
+
+
 # -- tiny models, exported --------------------------------------------------------------------
 
 MODELS = {

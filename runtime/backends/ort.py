@@ -559,8 +559,8 @@ class OrtEngine:
         self._keep_states = keep_states
         self.states = RecurrentStates(spec, keep_states, self.name)
         if self.states and placement.device.kind != "cpu":
-            raise InputError(f"{self.name}: a model with linear-attention layers runs on ONNX Runtime's CPU provider "
-                             f"(or --backend torch); not on {placement.device} yet")
+            raise InputError(f"{self.name}: a model with linear-attention layers runs on ONNX Runtime's CPU provider; "
+                             f"not on {placement.device} yet")
 
     @classmethod
     def from_bundle(cls, bundle, spec: ModelSpec, threads: int | None = None, device: "str | Device | None" = None,
