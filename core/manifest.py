@@ -535,6 +535,11 @@ class Manifest:
         if bad:
             raise BundleError(f"{where}: tokenizer eos_token_ids {bad[0]} is outside the vocabulary [0, {target.vocab_size})")
 
+    @property
+    def recurrent(self) -> bool:
+        """Whether a model of the bundle has linear-attention layers (recurrent states)."""
+        return any(m.state_names for m in self.models.values())
+
     def kv_bytes(self) -> int:
         """What every model's KV buffers take together."""
         return sum(m.kv_bytes(self.max_seq) for m in self.models.values())

@@ -11,7 +11,8 @@ prefill chunk asks for its last row only, so it returns one state, not one per t
 
 Exactness: a verify pass's rows must equal single steps bit for bit (greedy speculative output
 then equals plain). Everything else in the layer works row by row; the recurrence runs as
-ONNX `Scan`, the same few element-wise nodes per token whatever T is, so row i of a pass
+ONNX `Scan`, the same few nodes per token (element-wise products and small matmuls) whatever T
+is, so row i of a pass
 computes exactly what a single step at that position computes. The convolution is spelled as
 K shifted products added in a fixed order, for the same reason.
 
@@ -25,7 +26,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .ops import aligned
+from .ops import aligned, register_schema
 
 DOMAIN = "specdeploy"  # the placeholder's domain: no graph that leaves export contains it
 
@@ -66,8 +67,6 @@ def _(q, k, v, decay, beta, state, rows):
 
 def gated_delta_rule_onnx(q, k, v, decay, beta, state, rows):
     from onnxscript import values
-
-    from .ops import register_schema
 
     register_schema(
         "GatedDeltaRule",
@@ -144,12 +143,11 @@ class GatedDeltaNet:
 
 
 def _gated_norm(norm: torch.nn.Module, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-    """The source's RMSNormGated: normed in float32, times the weight in the input's dtype, times
-    SiLU(gate) in float32."""
-    dtype = x.dtype
-    x32 = x.float()
-    normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)
-    return (norm.weight * normed.to(dtype) * aligned(F.silu, gate.float())).to(dtype)
+    """The source's RMSNormGated: the graph's RMSNorm (normed in float32, times the weight in the
+    input's dtype), times SiLU(gate) in float32."""
+    from .graph import rms_norm  # graph.py builds these layers: imported here, not at the top
+
+    return (rms_norm(norm, x, norm.variance_epsilon) * aligned(F.silu, gate.float())).to(x.dtype)
 
 
 # -- the placeholder lowered to standard ONNX

@@ -556,7 +556,6 @@ class OrtEngine:
         width = self.feature_outputs.get(AUX_HIDDEN)
         self.features = np.zeros((max_seq, width), np.float32) if width else None
         self.outputs: dict[str, np.ndarray] = {}
-        self._keep_states = keep_states
         self.states = RecurrentStates(spec, keep_states, self.name)
         if self.states and placement.device.kind != "cpu":
             raise InputError(f"{self.name}: a model with linear-attention layers runs on ONNX Runtime's CPU provider; "
@@ -576,7 +575,7 @@ class OrtEngine:
         fork loads a session of its own."""
         return OrtEngine(self.graph_path, self.spec, self.max_seq, self._threads,
                          session=None if self.placement.capture else self.session, spinning=self._spinning,
-                         placement=self.placement, keep_states=self._keep_states)
+                         placement=self.placement, keep_states=self.states.keep)
 
     def resumable(self, length: int) -> int:
         """The longest prefix, at most `length` tokens, a pass may start after (a model with

@@ -38,7 +38,7 @@ def default_batch(bundle: Bundle, backend: str = "ort", device: str | None = Non
     needs: ONNX Runtime on a GPU or TensorRT (batched passes run on ONNX Runtime's CPU and on
     the torch backend; an EAGLE-3 head's and a Gemma 4 assistant's on ONNX Runtime's CPU only), or graphs that carry one
     sequence a pass (exported with --max-batch 1, or before batching)."""
-    if any(spec.state_names for spec in bundle.manifest.models.values()):
+    if bundle.manifest.recurrent:
         return None, "its linear-attention layers keep recurrent states, which batched passes do not keep per slot yet"
     if bundle.draft_kind in ("eagle3", "assistant") and backend != "ort":
         what = "EAGLE-3 head" if bundle.draft_kind == "eagle3" else "Gemma 4 assistant"

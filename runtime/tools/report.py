@@ -11,14 +11,13 @@ def describe(bundle: Bundle) -> str:
     from specdeploy.runtime.decoding.drafters import drafter_class
 
     m = bundle.manifest
-    recurrent = any(e.state_names for e in m.models.values())
     lines = [
         f"bundle      {bundle.path}",
         f"digest      {bundle.digest} (pins the manifest and, through its checksums, every file)",
         f"format      {FORMAT} v{m.format_version}, {m.created_by}, {m.created_at or '?'}",
         f"sequence    max {m.max_seq} tokens (prompt + new), draft up to {m.max_draft} per round, "
         f"prefill chunk {m.prefill_chunk}",
-        "batch       one sequence a session: batched passes keep no recurrent states per slot yet" if recurrent else
+        "batch       one sequence a session: batched passes keep no recurrent states per slot yet" if m.recurrent else
         f"batch       up to {m.max_batch} sequences a pass"
         + (" (serve batches)" if m.max_batch > 1 else " (exported before batched passes)"),
         f"memory      {m.kv_cost()}",
