@@ -96,6 +96,7 @@ def _share_threads(threads: int | None) -> None:
 @click.option("--target", required=True, help="Hugging Face model folder or .gguf file ('smollm2': the embedded default).")
 @click.option("--draft", default="ngram", show_default=True,
               help="PATH (a model sharing the target's tokenizer, or an EAGLE-3 head folder), self:layers=N[,dtype=D], "
+                   "mtp (the MTP layer of the target's checkpoint), "
                    "ngram, suffix (a suffix index over the request and earlier ones, proposing token trees), or none.")
 @click.option("--out", required=True, type=click.Path(path_type=Path), help="Bundle folder to write.")
 @click.option("--max-seq", type=int, default=None,

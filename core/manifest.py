@@ -28,7 +28,7 @@ FORMAT = "specdeploy-bundle"
 FORMAT_VERSION = 2  # 2: graphs take logits_rows (core/graph_io.py)
 READS_VERSIONS = (1, 2)
 MANIFEST = "manifest.json"
-DRAFT_KINDS = ("model", "self", "eagle3", "assistant", "ngram", "suffix", "none")  # the one list: export's recipes, the runtime's drafters
+DRAFT_KINDS = ("model", "self", "eagle3", "mtp", "assistant", "ngram", "suffix", "none")  # the one list: export's recipes, the runtime's drafters
 
 
 def one_class_per_draft_kind(classes, what: str) -> dict[str, type]:
@@ -37,7 +37,7 @@ def one_class_per_draft_kind(classes, what: str) -> dict[str, type]:
     lacks, or a class of an unknown or repeated kind, fails at import, naming it.
 
     >>> list(one_class_per_draft_kind([type(k, (), {"kind": k}) for k in reversed(DRAFT_KINDS)], "t"))
-    ['model', 'self', 'eagle3', 'assistant', 'ngram', 'suffix', 'none']
+    ['model', 'self', 'eagle3', 'mtp', 'assistant', 'ngram', 'suffix', 'none']
     """
     by_kind: dict[str, type] = {}
     for cls in classes:
@@ -376,6 +376,8 @@ class DraftEntry:
             raise BundleError(f"{where}: field 'aux_layers' must be layer indices, got {entry.aux_layers!r:.60}")
         if kind == "eagle3" and (entry.vocab_map is None or not entry.aux_layers):
             raise BundleError(f"{where}: an eagle3 draft needs 'aux_layers' and 'vocab_map'")
+        if kind == "mtp" and not entry.aux_layers:
+            raise BundleError(f"{where}: an mtp draft needs 'aux_layers' (the target's final state)")
         if kind == "assistant" and not entry.aux_layers:
             raise BundleError(f"{where}: an assistant draft needs 'aux_layers' (the target's final state)")
         if entry.layers is not None:
@@ -492,7 +494,7 @@ class Manifest:
     def check_consistent(self, where: str) -> None:
         """Fields that contradict each other are a one-line error, never a guess."""
         target = self.models["target"]
-        graph_draft = self.draft.kind in ("model", "self", "eagle3", "assistant")  # the kinds whose drafter runs a graph of the bundle
+        graph_draft = self.draft.kind in ("model", "self", "eagle3", "mtp", "assistant")  # the kinds whose drafter runs a graph of the bundle
         if graph_draft != ("draft" in self.models):
             has = "has" if "draft" in self.models else "has no"
             raise BundleError(f"{where}: draft kind {self.draft.kind!r} but models {has} 'draft' entry")
@@ -518,6 +520,20 @@ class Manifest:
             if target.feature_outputs[AUX_HIDDEN] != draft.inputs[ASSISTANT_HIDDEN][-1]:
                 raise BundleError(f"{where}: the target returns {AUX_HIDDEN} {target.feature_outputs[AUX_HIDDEN]} wide, "
                                   f"the assistant takes {draft.inputs[ASSISTANT_HIDDEN][-1]}")
+        if self.draft.kind == "mtp":
+            from .graph_io import AUX_HIDDEN, DRAFT_HIDDEN_OUT
+
+            layer = self.models["draft"]
+            if AUX_HIDDEN not in target.feature_outputs or AUX_HIDDEN not in layer.feature_inputs \
+                    or DRAFT_HIDDEN_OUT not in layer.feature_outputs:
+                raise BundleError(f"{where}: an mtp draft needs a target that returns {AUX_HIDDEN} and a draft graph "
+                                  f"that takes it and returns {DRAFT_HIDDEN_OUT} (re-export the bundle)")
+            if target.feature_outputs[AUX_HIDDEN] != layer.feature_inputs[AUX_HIDDEN]:
+                raise BundleError(f"{where}: the target returns {AUX_HIDDEN} {target.feature_outputs[AUX_HIDDEN]} wide, "
+                                  f"the MTP layer takes {layer.feature_inputs[AUX_HIDDEN]}")
+            if layer.vocab_size != target.vocab_size:
+                raise BundleError(f"{where}: the MTP layer's vocabulary is {layer.vocab_size} tokens, the target's "
+                                  f"{target.vocab_size}")
         if self.draft.kind == "eagle3":
             from .graph_io import AUX_HIDDEN
 

@@ -243,9 +243,6 @@ def _export_model(
     if graph.state_layout and device != "cpu":
         raise ExportError(f"--for {device}: {graph.arch.family}'s linear-attention layers keep recurrent states, which "
                           "only ONNX Runtime's CPU provider keeps yet; use --for cpu")
-    if graph.state_layout and graph.aux_layers:
-        raise ExportError(f"--draft eagle3: an EAGLE-3 head over {graph.arch.family}'s linear-attention layers is not "
-                          "implemented; use a model, self, ngram or suffix draft")
     t0 = time.perf_counter()
     fused = attention == "fused"
     quantized = graph.quantization is not None
@@ -547,11 +544,15 @@ def build_bundle(
         batched = dict(max_batch=max_batch)
 
         def export_model(source: Source, model_dtype: str, role: str = "draft", num_layers: int | None = None,
-                         full_model: bool = True, head=None, assistant=None) -> ModelSpec:
+                         full_model: bool = True, head=None, assistant=None, mtp=None) -> ModelSpec:
             if head is not None:  # an EAGLE-3 head: its own graph over the target's states
                 from .eagle3_export import export_head
 
                 return export_head(head, target_source, model_dtype, device=device, **common)
+            if mtp is not None:  # the target checkpoint's MTP layer: its graph over the target's final state
+                from .mtp import export_mtp
+
+                return export_mtp(mtp, target_source, model_dtype, device=device, **common)
             if assistant is not None:  # a Gemma 4 assistant: its graph over the target's K/V and state
                 from .assistant import export_assistant
 

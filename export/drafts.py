@@ -28,6 +28,7 @@ from .load import Source, load_source, same_tokenizer
 if TYPE_CHECKING:
     from .assistant import Assistant
     from .eagle3 import Head
+    from .mtp import Mtp
 
 # export one graph: (graph, source, role, dtype, full_model) -> its manifest entry (build.py)
 ExportModel = Callable[..., ModelSpec]
@@ -199,8 +200,13 @@ class Eagle3Draft:
         return self.head.layers
 
     def prepare(self, target: Source, log: Callable[[str], None]) -> None:
+        from .architectures import architecture
         from .eagle3 import load_head
 
+        if architecture(target.config).linear_attention:
+            raise ExportError(f"--draft eagle3: an EAGLE-3 head over {target.config.model_type}'s linear-attention "
+                              "layers is not implemented; use mtp (the checkpoint's own layer), a model, self, ngram "
+                              "or suffix draft")
         log(f"loading EAGLE-3 head {self.path}")
         self.head = load_head(self.path, target.config)
 
@@ -248,13 +254,41 @@ class AssistantDraft:
         return DraftEntry("assistant", source=str(self.path.resolve()), aux_layers=list(self.aux_layers))
 
 
-RECIPES: tuple[type, ...] = (NoDraft, NgramDraft, SuffixDraft, SelfDraft, Eagle3Draft, AssistantDraft,
+@dataclass
+class MtpDraft:
+    """`mtp`: the multi-token-prediction layer the target's checkpoint carries (export/mtp.py). It
+    reads the target's final state, so the target's graph also returns that state."""
+
+    kind = "mtp"
+    mtp: "Mtp | None" = field(default=None, repr=False)
+    aux_layers: tuple[int, ...] = ()
+
+    @classmethod
+    def parse(cls, text: str) -> "MtpDraft | None":
+        return cls() if text == "mtp" else None
+
+    def prepare(self, target: Source, log: Callable[[str], None]) -> None:
+        from .mtp import load_mtp
+
+        log(f"loading the MTP layer of {target.path}")
+        self.mtp = load_mtp(target)
+        self.aux_layers = (target.config.num_hidden_layers,)  # the final norm's output
+
+    def export(self, target: Source, dtype: str, export_model: ExportModel) -> ModelSpec:
+        return export_model(target, dtype, mtp=self.mtp)
+
+    def entry(self) -> DraftEntry:
+        source = str(self.mtp.path.resolve()) if self.mtp is not None else None
+        return DraftEntry("mtp", source=source, aux_layers=list(self.aux_layers))
+
+
+RECIPES: tuple[type, ...] = (NoDraft, NgramDraft, SuffixDraft, SelfDraft, MtpDraft, Eagle3Draft, AssistantDraft,
                              ModelDraft)  # asked in order; a path last
 one_class_per_draft_kind(RECIPES, "export's draft recipes")  # one recipe per kind of DRAFT_KINDS
 
 
 def parse_draft(text: str | None) -> DraftRecipe:
-    """`PATH`, `assistant:PATH`, `self:layers=N`, `ngram`, `suffix` or `none` (None: none)."""
+    """`PATH`, `assistant:PATH`, `self:layers=N`, `mtp`, `ngram`, `suffix` or `none` (None: none)."""
     for recipe in RECIPES:
         found = recipe.parse("none" if text is None else text)
         if found is not None:

@@ -103,16 +103,18 @@ def head_schedule(max_seq: int, max_draft: int, prefill_chunk: int) -> list[tupl
     return [p for p in passes if p[0] + p[1] <= max_seq]
 
 
-def check_head_parity(graph: Eagle3Graph, reference: Eagle3Head, onnx_path: Path, spec: ModelSpec, max_seq: int,
-                      max_draft: int, prefill_chunk: int, dtype: str, seed: int = 0) -> dict:
+def check_head_parity(graph, reference, onnx_path: Path, spec: ModelSpec, max_seq: int, max_draft: int,
+                      prefill_chunk: int, dtype: str, seed: int = 0) -> dict:
     """The same passes through ONNX Runtime, the eager graph module (logits and the state it
-    returns), and for a float32 head the reference forward over K/V kept as tensors."""
+    returns), and for a float32 head the reference forward over K/V kept as tensors. Any graph
+    of a head's contract (AUX_HIDDEN, DRAFT_HIDDEN in; DRAFT_HIDDEN_OUT out) with its reference
+    (`forward(ids, hidden, position_ids, past) -> (out, logits, past)`): an EAGLE-3 head, an MTP
+    layer (export/mtp.py)."""
     from specdeploy.runtime.backends.ort import OrtEngine
 
     engine = OrtEngine(onnx_path, spec, max_seq) if dtype in NUMPY_DTYPES else None
     rng = np.random.default_rng(seed)
-    cfg = reference.cfg
-    width = 3 * cfg.target_hidden_size
+    width, own_width = graph.feature_inputs[AUX_HIDDEN], graph.feature_inputs[DRAFT_HIDDEN]
     past = kv_buffers(graph, max_seq, TORCH_DTYPE[dtype])
     ref_past = None
     worst_ort = worst_ref = 0.0
@@ -121,9 +123,9 @@ def check_head_parity(graph: Eagle3Graph, reference: Eagle3Head, onnx_path: Path
     try:
         with torch.no_grad():
             for i, (start, t, from_target) in enumerate(head_schedule(max_seq, max_draft, prefill_chunk)):
-                ids = rng.integers(0, cfg.vocab_size, size=t)
+                ids = rng.integers(0, spec.vocab_size, size=t)
                 aux = rng.standard_normal((t, width)).astype(np.float32) if from_target else np.zeros((t, width), np.float32)
-                own = np.zeros((t, cfg.hidden_size), np.float32) if from_target else np.repeat(state[None], t, 0)
+                own = np.zeros((t, own_width), np.float32) if from_target else np.repeat(state[None], t, 0)
                 last = from_target and i == 0  # the first catch-up asks for its last row only, as the drafter does
                 rows = torch.tensor([t - 1]) if last else torch.arange(t)
                 logits, _, _, out = graph(

@@ -276,10 +276,10 @@ def test_sampled_speculation_keeps_each_familys_distribution(name, tmp_path):
     tokens' frequencies over 1,500 seeds against the target's exact distribution, the suite's
     chi-square test (test_sampling.py: alpha 1e-3, and its companion showing a broken sampler
     fails it)."""
-    from test_sampling import assert_a_familys_self_draft_keeps_the_distribution
+    from test_sampling import assert_a_familys_draft_keeps_the_distribution
 
     arch, extra = FAMILIES[name]
-    assert_a_familys_self_draft_keeps_the_distribution(tmp_path, arch, **extra)
+    assert_a_familys_draft_keeps_the_distribution(tmp_path, arch, **extra)
 
 
 @pytest.mark.parametrize("rope", [

@@ -354,9 +354,9 @@ def test_the_prompt_cache_resumes_from_a_kept_state_or_prefills(bundles):
 def test_sampled_speculation_keeps_the_distribution(tmp_path):
     """Seeded sampling through an int8 self-draft: the suite's chi-square test (test_sampling.py:
     alpha 1e-3, and its companion showing a broken sampler fails it)."""
-    from test_sampling import assert_a_familys_self_draft_keeps_the_distribution
+    from test_sampling import assert_a_familys_draft_keeps_the_distribution
 
-    assert_a_familys_self_draft_keeps_the_distribution(tmp_path, "qwen3_5_text", layer_types=[LINEAR, FULL])
+    assert_a_familys_draft_keeps_the_distribution(tmp_path, "qwen3_5_text", layer_types=[LINEAR, FULL])
 
 
 @pytest.mark.bundle

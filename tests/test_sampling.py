@@ -153,15 +153,19 @@ def assert_drafts_keep_the_distribution(session, prompt, setting):
     assert cells >= 5 and pvalue > ALPHA, f"chi-square p = {pvalue:.2e} over {cells} cells"
 
 
-def assert_a_familys_self_draft_keeps_the_distribution(folder, arch: str, **overrides):
-    """A tiny 2-layer model of `arch` (make_model `overrides`) in `folder`, exported with an int8
-    self-draft: seeded sampling's first two tokens over SAMPLES seeds against the target's exact
+def assert_a_familys_draft_keeps_the_distribution(folder, arch: str, draft: str = "self:dtype=int8",
+                                                  prepare=None, **overrides):
+    """A tiny 2-layer model of `arch` (make_model `overrides`) in `folder`, exported with `draft`
+    (by default an int8 self-draft; `prepare(folder)` adds what the draft reads to the model's
+    folder): seeded sampling's first two tokens over SAMPLES seeds against the target's exact
     distribution (chi-square, ALPHA)."""
     import tiny
     from specdeploy.export import build_bundle
 
     tiny.make_model(folder / "m", arch, seed=21, layers=2, vocab_size=tiny.VOCAB, initializer_range=0.5, **overrides)
-    build_bundle(folder / "m", "self:dtype=int8", folder / "b", max_seq=32, max_draft=4, prefill_chunk=8)
+    if prepare is not None:
+        prepare(folder / "m")
+    build_bundle(folder / "m", draft, folder / "b", max_seq=32, max_draft=4, prefill_chunk=8)
     session = Session(folder / "b")
     session.eos_token_ids = []
     prompt = tiny.prompt_with_a_fair_draft(session)

@@ -34,7 +34,7 @@ from specdeploy.runtime.backends import BackendChoice
 from specdeploy.runtime.decoding.engine import Checked, Engine
 from specdeploy.runtime.decoding.sampling import SamplingParams
 from specdeploy.runtime.decoding.drafters.assistant import AssistantDrafter
-from specdeploy.runtime.decoding.drafters.eagle3 import Eagle3Drafter
+from specdeploy.runtime.decoding.drafters.eagle3 import Eagle3Drafter, MtpDrafter
 from specdeploy.runtime.decoding.drafters.model import ModelDrafter, SelfDrafter
 from specdeploy.runtime.decoding.drafters.ngram import NgramDrafter, lookup
 from specdeploy.runtime.decoding.drafters.proposal import Proposal
@@ -97,7 +97,7 @@ class NoDraft:
 
 
 DRAFTERS: dict[str, type] = one_class_per_draft_kind(
-    (ModelDrafter, SelfDrafter, Eagle3Drafter, AssistantDrafter, NgramDrafter, SuffixDrafter, NoDraft), "the runtime's drafters")
+    (ModelDrafter, SelfDrafter, Eagle3Drafter, MtpDrafter, AssistantDrafter, NgramDrafter, SuffixDrafter, NoDraft), "the runtime's drafters")
 
 
 def drafter_class(kind: str) -> type:
@@ -112,5 +112,5 @@ def make_drafter(bundle: Bundle, backend: BackendChoice | str, threads: int | No
     return drafter_class(bundle.draft_kind).from_bundle(bundle, backend, threads)
 
 
-__all__ = ["AssistantDrafter", "DRAFTERS", "Drafter", "Eagle3Drafter", "ModelDrafter", "NgramDrafter", "NoDraft", "Proposal", "SelfDrafter",
+__all__ = ["AssistantDrafter", "DRAFTERS", "Drafter", "Eagle3Drafter", "ModelDrafter", "MtpDrafter", "NgramDrafter", "NoDraft", "Proposal", "SelfDrafter",
            "SuffixDrafter", "SuffixIndex", "drafter_class", "lookup", "make_drafter"]

@@ -73,7 +73,8 @@ class Eagle3Drafter:
     def attach(self, target: Engine) -> None:
         """The target whose states the head reads (its engine's `features`)."""
         if target.features is None:
-            raise BundleError(f"{target.name}: returns no hidden states for an EAGLE-3 head; re-export the bundle")
+            raise BundleError(f"{target.name}: returns no hidden states for the draft's head ({self.kind}); re-export "
+                              "the bundle")
         self.target = target
         self.length = 0
 
@@ -145,4 +146,23 @@ class Eagle3Drafter:
                         caught_up, first_seconds)
 
 
-__all__ = ["Eagle3Drafter", "read_vocab_map"]
+class MtpDrafter(Eagle3Drafter):
+    """The multi-token-prediction layer of the target's checkpoint (export/mtp.py): a head of the
+    same contract over the target's final state, proposing from the whole vocabulary."""
+
+    kind = "mtp"
+    backends = ("ort",)  # its targets (recurrent states) run on ONNX Runtime's CPU provider only
+
+    @classmethod
+    def from_bundle(cls, bundle: Bundle, backend: BackendChoice | str, threads: int | None) -> "MtpDrafter":
+        layer, target = bundle.model("draft"), bundle.model("target")
+        engine = make_engine(BackendChoice.of(backend), bundle, layer, threads)
+        return cls(engine, np.arange(target.vocab_size, dtype=np.int64), target.vocab_size, bundle.prefill_chunk,
+                   static_cost_ratio(bundle, layer, target))
+
+    @staticmethod
+    def describe(entry: DraftEntry) -> str:
+        return f"the multi-token-prediction layer of the target's checkpoint ({entry.source})"
+
+
+__all__ = ["Eagle3Drafter", "MtpDrafter", "read_vocab_map"]
