@@ -568,12 +568,20 @@ class Manifest:
         line = f"K/V {mib(self.kv_bytes())} per sequence at max_seq {self.max_seq}"
         line += f" ({parts})" if len(keeping) > 1 else f" ({self.models['target'].kv_dtype})"
         states = sum(m.state_bytes for m in self.models.values())
-        if states:  # models with recurrent layers run one sequence a session: no batch slots
+        if states:
             keep = kept_positions(self.max_draft)
-            return line + f"; recurrent states {mib(states)} a position, {mib(states * keep)} per sequence ({keep} positions kept)"
+            line += f"; recurrent states {mib(states)} a position, {mib(self.state_bytes())} per sequence ({keep} positions kept)"
         if self.max_batch > 1:
-            line += f", {mib(self.kv_bytes() * self.max_batch)} for {self.max_batch} batch slots (serve)"
+            line += f"; {mib(self.sequence_bytes() * self.max_batch)} for {self.max_batch} batch slots (serve)"
         return line
+
+    def state_bytes(self) -> int:
+        """What every model's recurrent states take for one sequence (the positions a session keeps)."""
+        return sum(m.state_bytes for m in self.models.values()) * kept_positions(self.max_draft)
+
+    def sequence_bytes(self) -> int:
+        """What one sequence holds: its K/V and its recurrent states (a batch slot's memory)."""
+        return self.kv_bytes() + self.state_bytes()
 
     def as_dict(self) -> dict:
         d = {
@@ -682,7 +690,7 @@ class Bundle:
         """The KV buffers a session allocates (`sequences` slots of them: a batch's) fit `budget`
         bytes (default: half this machine's memory), checked before anything is allocated."""
         budget = memory_budget() if budget is None else budget
-        need = self.manifest.kv_bytes() * sequences
+        need = self.manifest.sequence_bytes() * sequences
         if need > budget:
             many = f" for {sequences} sequences" if sequences > 1 else ""
             raise BundleError(

@@ -7,7 +7,8 @@ in the checkpoint's own safetensors file, as the released checkpoints keep it):
   weight conversions (float tolerance; the graph against our reference is export's parity check);
 - the tokens it drafts are the ones transformers' layer proposes, chained on its own output;
 - greedy speculative output equals plain and Hugging Face `generate` at k = 1, 3, 8 and auto, at
-  fp32 and int4, with drafts rejected and (a layer made to propose repeats) accepted;
+  fp32 and int4, with drafts rejected and (a layer made to propose repeats) accepted, in a Session
+  and in a batch of 4 with joins and leaves;
 - seeded sampling through it passes the suite's chi-square test;
 - a checkpoint without the layer, or with one of another shape, is refused in one line."""
 from __future__ import annotations
@@ -204,6 +205,25 @@ def test_speculative_equals_plain_and_hf_generate(name, dtype, models, bundles):
     assert drafted > accepted  # rejections: the recurrent states rolled back
     if MODELS[name][1].get("repeat"):
         assert accepted > 0  # and acceptances: the layer's own state fed on, the target's states caught up
+
+
+@pytest.mark.bundle
+def test_every_request_in_a_batch_of_4_equals_it_alone(bundles):
+    """One MTP layer per slot reading the hidden states the batched target wrote there, beside the
+    slot's recurrent states: greedy and seeded sampled, pinned and auto, plain, joining as others
+    leave: each request's tokens are a Session's alone."""
+    from specdeploy.runtime.decoding.batch import BatchSession
+    from test_batch import concurrently, jobs, solo
+
+    bundle = bundles("qwen35-mtp-tied")
+    work = jobs(12)
+    want = solo(bundle, work)
+    batched = BatchSession(bundle, batch=4, max_queue=32)
+    try:
+        assert concurrently(batched, work, stagger=0.002) == want
+        assert batched.rounds > 0
+    finally:
+        batched.close()
 
 
 @pytest.mark.bundle

@@ -360,14 +360,77 @@ def test_sampled_speculation_keeps_the_distribution(tmp_path):
 
 
 @pytest.mark.bundle
+@pytest.mark.parametrize("draft", ["model", "self:layers=2", "ngram"])
+def test_every_request_in_a_batch_of_4_equals_it_alone(draft, bundles):
+    """Each slot keeps its own states by position: greedy and seeded sampled requests, pinned and
+    auto draft lengths, plain, prompts of different lengths finishing at different times, joining
+    as others leave: token for token what a Session gives each alone. A draft model of the family
+    and a self-draft keep theirs in the batch's draft engine, slot by slot."""
+    from specdeploy.runtime.decoding.batch import BatchSession
+    from test_batch import concurrently, jobs, solo
+
+    bundle = bundles("qwen35", draft)
+    work = jobs(12)
+    want = solo(bundle, work)
+    batched = BatchSession(bundle, batch=4, max_queue=32)
+    try:
+        assert concurrently(batched, work, stagger=0.002) == want
+        assert batched.rounds > 0
+    finally:
+        batched.close()
+
+
+@pytest.mark.bundle
+def test_a_batch_reuses_a_slot_from_its_kept_state_and_fits_rows_after_each_lane(bundles):
+    """A prompt that extends a finished one resumes in its slot where a state is kept (after the
+    answer), and answers as alone; a lane near the end of the buffer beside one drafting 8 tokens:
+    the pass is cut to the room it has after its rows (a pass may not start before a lane's
+    length: no state is kept there), and both answer as alone."""
+    from specdeploy.runtime.decoding.batch import BatchSession
+    from test_batch import Repeats, collect, joined, joined_generations
+
+    bundle = bundles("qwen35", "ngram")
+    alone = Session(bundle, prompt_cache=False)
+    batched = BatchSession(bundle, batch=2)
+    try:
+        first = batched.generate(PROMPTS[16], max_new_tokens=10, speculate=False)
+        ids = batched.encode(PROMPTS[16]) + first.token_ids + batched.encode(" again")
+        second = batched.generate(prompt_ids=ids, max_new_tokens=10)
+        assert second.stats.cached_tokens > len(first.token_ids)
+        assert second.token_ids == alone.generate(prompt_ids=ids, max_new_tokens=10).token_ids
+        # two requests of one prompt at once: one prefills, the other copies its K/V and its state
+        twins = joined_generations(batched, [(PROMPTS[5], dict(max_new_tokens=10, speculate=False))] * 2)
+        assert [collect(g) for g in twins] == [alone.generate(PROMPTS[5], max_new_tokens=10, speculate=False).token_ids] * 2
+        assert max(g.stats.cached_tokens for g in twins) > 0
+    finally:
+        batched.close()
+    long_ids = alone.encode(" ".join(PROMPTS) * 2)[: MAX_SEQ - 12]
+    work = [(None, dict(prompt_ids=long_ids, max_new_tokens=12, speculate=False)),
+            (PROMPTS[13], dict(max_new_tokens=40, draft_len=8))]
+    want = [alone.generate(prompt_ids=long_ids, max_new_tokens=12, speculate=False).token_ids,
+            alone.generate(PROMPTS[13], max_new_tokens=40, speculate=False).token_ids]
+    batched = BatchSession(bundle, batch=2)
+    batched.drafter = Repeats()
+    widths = []
+    forward = batched.target.forward
+    batched.target.forward = lambda tokens, starts, **kw: (widths.append(tokens.shape), forward(tokens, starts, **kw))[1]
+    try:
+        assert joined(batched, work) == want
+        assert (2, 9) in widths and any(b == 2 and t < 9 for b, t in widths)  # wide, then cut to the room left
+    finally:
+        batched.close()
+
+
+@pytest.mark.bundle
 def test_what_does_not_keep_recurrent_states_is_refused_in_one_line(models, bundles, tmp_path):
     from specdeploy.runtime.decoding.batch import BatchSession
     from specdeploy.runtime.serving.pool import default_batch
 
     bundle = bundles("qwen35", "ngram")
-    batch, why = default_batch(load_bundle(bundle))
-    assert batch is None and "recurrent states" in why
-    for make in (lambda: BatchSession(bundle, batch=2), lambda: Session(bundle, backend="torch")):
+    batch, why = default_batch(load_bundle(bundle), backend="torch")
+    assert batch is None and "recurrent states" in why and "not torch" in why
+    assert default_batch(load_bundle(bundle))[0] is not None  # ONNX Runtime's CPU batches them
+    for make in (lambda: BatchSession(bundle, batch=2, backend="torch"), lambda: Session(bundle, backend="torch")):
         with pytest.raises(InputError) as e:
             make()
         assert "linear-attention" in str(e.value) and "\n" not in str(e.value)

@@ -115,9 +115,12 @@ def make_batch_engine(backend: str, bundle, batch: int, threads: int | None = No
     if choice.name == "ort":
         if choice.device is not None and choice.device.kind != "cpu":
             raise InputError("batched passes on ONNX Runtime run on the CPU; on a GPU use --backend torch")
+        from specdeploy.core.manifest import kept_positions
+
         from .ort_batch import OrtBatchEngine
 
-        return OrtBatchEngine(bundle.file(spec.graph), spec, bundle.max_seq, batch, threads)
+        return OrtBatchEngine(bundle.file(spec.graph), spec, bundle.max_seq, batch, threads,
+                              keep_states=kept_positions(bundle.max_draft))
     if choice.name == "torch":
         engine_class("torch")  # torch installed, or the one-line error
         from .torch_batch import TorchBatchEngine

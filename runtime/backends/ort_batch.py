@@ -14,6 +14,12 @@ sequence's start + T; for a shorter one the extra slots are masked (-inf) and ad
 zeros. So a sequence's logits in a batch equal its logits alone, bit for bit: every row is
 computed from its own slot, and the graph's matmuls compute rows independently (the exact
 graphs' verify rows equal single steps, docs/backends.md).
+
+A model with linear-attention layers keeps each slot's recurrent states by position
+(backends/recurrent.py, one ring per slot): a pass stages each sequence's state at its start
+as the graph's [B, ...] inputs and keeps its [B, R, ...] outputs in the sequence's ring; the
+states move with a slot's K/V (`swap`, `copy`). `resumable(slot, length)` says where a slot can
+resume (docs/design.md, "Recurrent states").
 """
 from __future__ import annotations
 
@@ -25,6 +31,7 @@ from specdeploy.core.graph_io import AUX_HIDDEN, LOGITS_ROWS, check_pass, fill_m
 from specdeploy.core.manifest import ModelSpec
 
 from .ort import Placement, _load, _reason, no_bfloat16, tree_capable
+from .recurrent import RecurrentStates
 from specdeploy.core.choices import NUMPY_DTYPES
 from specdeploy.runtime.decoding.tree import TreeLayout
 
@@ -39,7 +46,7 @@ class OrtBatchEngine:
     """One graph of a bundle run over `max_batch` KV slots, on the CPU."""
 
     def __init__(self, graph_path, spec: ModelSpec, max_seq: int, max_batch: int, threads: int | None = None,
-                 session: ort.InferenceSession | None = None):
+                 session: ort.InferenceSession | None = None, keep_states: int = 2):
         if spec.dtype not in NUMPY_DTYPES:
             raise InputError(no_bfloat16(spec, graph_path.name, "ONNX Runtime"))
         if session is None:
@@ -47,9 +54,6 @@ class OrtBatchEngine:
         if batch_dim(session) != "B":
             raise BundleError(f"{graph_path}: its graph carries one sequence per pass (exported before batched "
                               "passes); re-export the bundle to batch")
-        if spec.state_names:
-            raise InputError(f"{graph_path.name}: a model with linear-attention layers runs one sequence a session "
-                             "(batched passes keep no recurrent states per slot yet)")
         if spec.feature_inputs:
             raise InputError(f"{graph_path.name}: an EAGLE-3 head runs one sequence a pass (each lane's head "
                              "engine is its own); its target batches")
@@ -66,6 +70,12 @@ class OrtBatchEngine:
         width = spec.feature_outputs.get(AUX_HIDDEN)
         self.features = np.zeros((max_batch, max_seq, width), np.float32) if width else None
         self._states = np.zeros((max_batch, 1, width or 1), np.float32)  # a pass's rows, grown on demand
+        # A model with linear-attention layers: each slot's recurrent states kept by position
+        # (backends/recurrent.py), staged into the pass's [B, ...] inputs and copied back from its
+        # [B, R, ...] outputs; empty for other graphs
+        self.states = [RecurrentStates(spec, keep_states, f"{self.name} slot {i}") for i in range(max_batch)] \
+            if spec.state_names else []
+        self._staged: list[np.ndarray] = []
         self.padding_floor = None  # its passes carry no padding lanes (TorchBatchEngine's do)
         self.trees = tree_capable(spec, Placement())  # verifies token trees: forward(layouts=), move_kv
         self.runs = 0  # passes begun (the Engine contract's counter)
@@ -136,17 +146,42 @@ class OrtBatchEngine:
                 self._states = np.zeros((self.max_batch, t, size), np.float32)
             states = self._states.reshape(-1)[: b * t * size].reshape(b, t, size)
             binding.bind_output(AUX_HIDDEN, "cpu", 0, np.float32, [b, t, size], states.ctypes.data)
+        outputs = self._bind_states(binding, starts, first, t, rows) if self.states else None
         self.runs += 1
         try:
             self.session.run_with_iobinding(binding)
         except RuntimeError as e:
             raise BundleError(f"{self.name}: ONNX Runtime failed a pass of {b}x{t} tokens ({_reason(e)})") from None
         self.rows += b * t
+        if outputs is not None:  # each sequence's states after the returned rows, kept by position in its slot
+            for i in range(b):
+                self.states[first + i].store(int(starts[i]) + t - rows + 1, [out[i] for out in outputs], rows)
         if states is not None:  # each sequence's rows of the target's states, at their positions in its slot
             for i in range(b):
                 at = int(starts[i])
                 self.features[first + i, at : at + t] = states[i]
         return logits
+
+    def _bind_states(self, binding: ort.IOBinding, starts: np.ndarray, first: int, t: int, rows: int
+                     ) -> list[np.ndarray]:
+        """Each sequence's state at its start, staged side by side as the pass's inputs; its
+        outputs bound to staging arrays [B, rows, ...] -> those arrays (read once the pass ran)."""
+        b = starts.shape[0]
+        sources = [self.states[first + i].read(int(starts[i])) for i in range(b)]
+        outputs, self._staged = [], []  # the staged inputs kept alive until the pass has run
+        for j, ((inp, out), shape) in enumerate(zip(self.spec.state_names, self.states[0].shapes)):
+            staged = np.concatenate([source[j] for source in sources])
+            after = np.empty((b, rows, *shape), np.float32)
+            binding.bind_input(inp, "cpu", 0, np.float32, list(staged.shape), staged.ctypes.data)
+            binding.bind_output(out, "cpu", 0, np.float32, list(after.shape), after.ctypes.data)
+            outputs.append(after)
+            self._staged.append(staged)
+        return outputs
+
+    def resumable(self, slot: int, length: int) -> int:
+        """The longest prefix of slot `slot`, at most `length` tokens, a pass can start after (a
+        model with recurrent states: a position whose state the slot keeps; else `length`)."""
+        return self.states[slot].resumable(length) if self.states else length
 
     def move_kv(self, slot: int, source: np.ndarray, start: int) -> None:
         """In `slot`, copy the K/V at positions `source` [m] to start..start+m-1 (a tree round's
@@ -162,11 +197,16 @@ class OrtBatchEngine:
             buffer[dest, :, start:end] = buffer[source, :, start:end]
         if self.features is not None:
             self.features[dest, start:end] = self.features[source, start:end]
+        if self.states:  # the state at `end` (the caller asks resumable(source, end) first)
+            self.states[dest].drop_after(start)
+            self.states[dest].store(end, self.states[source].state(end), 1)
 
     def swap(self, a: int, b: int, length_a: int, length_b: int) -> None:
         """Exchange the K/V of slots a and b: the first length_a slots of a's, length_b of b's."""
         if a == b:
             return
+        if self.states:
+            self.states[a], self.states[b] = self.states[b], self.states[a]
         for buffer in self.kv:
             keep = buffer[a, :, :length_a].copy()
             buffer[a, :, :length_b] = buffer[b, :, :length_b]

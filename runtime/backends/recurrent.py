@@ -24,7 +24,8 @@ from specdeploy.core.manifest import ModelSpec
 
 
 class RecurrentStates:
-    """The states of one sequence at its most recent positions, in host memory (CPU engines)."""
+    """The states of one sequence at its most recent positions, in host memory (CPU engines; a
+    batched engine keeps one per slot)."""
 
     def __init__(self, spec: ModelSpec, keep: int, name: str):
         self.name = name
@@ -46,20 +47,45 @@ class RecurrentStates:
             return length
         return max((p for p in self.slot_of if p <= length), default=0)
 
+    def state(self, position: int) -> list[np.ndarray]:
+        """The states after the first `position` tokens, [1, ...] each (views into the ring)."""
+        if position == 0:
+            return self.zeros
+        if position not in self.slot_of:
+            raise InputError(f"{self.name}: no recurrent state is kept at position {position} (kept: "
+                             f"{sorted(self.slot_of) or 'none'}); resume from `resumable({position})`")
+        at = self.slot_of[position]
+        return [ring[at : at + 1] for ring in self.ring]
+
+    def read(self, start: int) -> list[np.ndarray]:
+        """The state a pass at `start` reads; the states kept past `start` are dropped (the pass
+        rewrites history from there)."""
+        self.drop_after(start)
+        return self.state(start)
+
+    def drop_after(self, position: int) -> None:
+        for p in [p for p in self.slot_of if p > position]:
+            del self.slot_of[p]
+
+    def store(self, first: int, states: list[np.ndarray] | None, rows: int) -> None:
+        """Keep the states of positions first..first+rows-1 (`states`: each [rows, ...], copied
+        in; None: already written into their ring slots). A pass of more rows than the ring
+        keeps its last."""
+        for i in range(max(0, rows - self.keep), rows):
+            p = first + i
+            slot = p % self.keep
+            for q in [q for q, s in self.slot_of.items() if s == slot]:
+                del self.slot_of[q]
+            if states is not None:
+                for ring, out in zip(self.ring, states):
+                    ring[slot] = out[i]
+            self.slot_of[p] = slot
+
     def bind(self, binding: ort.IOBinding, start: int, t: int, rows: int) -> None:
         """Bind a pass of `t` tokens at `start` returning its last `rows` rows: the state kept at
         `start` in, the ring slots of positions start+t-rows+1 .. start+t out (or a scratch
         buffer where they wrap around the ring or cover the slot read)."""
-        for p in [p for p in self.slot_of if p > start]:  # history from `start` on is being rewritten
-            del self.slot_of[p]
-        if start == 0:
-            sources = self.zeros
-        elif start in self.slot_of:
-            at = self.slot_of[start]
-            sources = [ring[at : at + 1] for ring in self.ring]
-        else:
-            raise InputError(f"{self.name}: no recurrent state is kept at position {start} (kept: "
-                             f"{sorted(self.slot_of) or 'none'}); resume from `resumable({start})`")
+        sources = self.read(start)
         first = (start + t - rows + 1) % self.keep
         read = self.slot_of.get(start, -1)
         direct = rows < self.keep and first + rows <= self.keep and not first <= read < first + rows
@@ -79,15 +105,7 @@ class RecurrentStates:
         """After the pass ran: keep its states by position (copied in where they went to scratch)."""
         first, rows, scratch = self._pending
         self._pending = None
-        for i in range(max(0, rows - self.keep), rows):  # a pass of more rows than the ring keeps its last
-            p = first + i
-            slot = p % self.keep
-            for q in [q for q, s in self.slot_of.items() if s == slot]:
-                del self.slot_of[q]
-            if scratch is not None:
-                for ring, out in zip(self.ring, scratch):
-                    ring[slot] = out[0, i]
-            self.slot_of[p] = slot
+        self.store(first, None if scratch is None else [out[0] for out in scratch], rows)
 
     def fail(self) -> None:
         """The pass failed: what it may have written is not a state of any position."""

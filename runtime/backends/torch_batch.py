@@ -187,6 +187,10 @@ class TorchBatchEngine:
         self.stats.capture_seconds += time.perf_counter() - t0
         return self._graphs[key]
 
+    def resumable(self, slot: int, length: int) -> int:
+        """K/V only (recurrent states are refused above): any prefix a slot holds resumes."""
+        return length
+
     def copy(self, source: int, dest: int, start: int, end: int) -> None:
         """Slot `dest`'s K/V at positions start..end-1 made those of slot `source`, on the device."""
         with torch.no_grad():

@@ -30,14 +30,14 @@ import queue
 import threading
 import time
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Iterator
 
 import numpy as np
 
 from specdeploy.core.errors import BundleError, InputError, SpecdeployError
-from specdeploy.core.manifest import Bundle, load_bundle
+from specdeploy.core.manifest import Bundle, kept_positions, load_bundle
 
 from specdeploy.runtime.backends import make_batch_engine
 from specdeploy.runtime.backends.ort import settle_thread_pool, thread_pool_choice
@@ -343,8 +343,9 @@ class BatchSession(Prompts):
 
     @property
     def memory_per_sequence(self) -> int:
-        """Bytes of KV buffer each slot holds (what one more sequence in the batch costs)."""
-        return self.target.kv_bytes_per_sequence
+        """Bytes each slot holds (what one more sequence in the batch costs): the target's K/V, and
+        the recurrent states a model with linear-attention layers keeps per slot."""
+        return self.target.kv_bytes_per_sequence + self.bundle.model("target").state_bytes * kept_positions(self.bundle.max_draft)
 
     @property
     def waiting(self) -> int:
@@ -550,7 +551,7 @@ class BatchSession(Prompts):
                         continue
                     m = min(held[1], lane.n - 1)
                     differ = np.flatnonzero(held[0][:m] != lane.ids[:m])
-                    same = int(differ[0]) if differ.size else m
+                    same = self.target.resumable(slot, int(differ[0]) if differ.size else m)
                     if same > reuse:
                         best, reuse = slot, same
             if best != at:
@@ -615,7 +616,7 @@ class BatchSession(Prompts):
             if m <= upto:
                 continue
             differ = np.flatnonzero(other.ids[:m] != lane.ids[:m])
-            same = int(differ[0]) if differ.size else m
+            same = self.target.resumable(other.slot, int(differ[0]) if differ.size else m)
             if same > upto:
                 best, upto = other, same
         if best is not None:
@@ -769,6 +770,8 @@ class BatchSession(Prompts):
             chains = [(lane.tokens.shape[0], lane.sizes.estimates(lane.tree.probs if lane.tree is not None else None,
                                                                   lane.tokens.shape[0])) for lane in auto] if look else []
             t = self.policy.choose(b, 1 + max(least), chains)
+        if self.bundle.manifest.recurrent:
+            t = self._fit_after(lanes, t)
         verified = []
         for lane in lanes:
             if lane.greedy_auto and lane.tree is not None:  # the tree's t - 1 best nodes
@@ -829,6 +832,26 @@ class BatchSession(Prompts):
         at[0] += 1
         at[1] += time.perf_counter() - started
         at[2] += sum(lane.end for lane in lanes) - ends
+
+    def _fit_after(self, lanes: list[Lane], t: int) -> int:
+        """A model with recurrent states: each lane's pass must start at its length (where its state
+        is kept), so no lane's rows may be padded before its own: t at most the room the fullest
+        lane has left, each lane's drafts cut to fit (the first j of k drafts are a proposal of
+        their own: sampled drafts were drawn one after the other)."""
+        room = self.bundle.max_seq - max(lane.end - 1 for lane in lanes)
+        if t <= room:
+            return t
+        for lane in lanes:
+            if lane.tree is not None:
+                lane.tree = lane.tree.prune(room - 1)
+                lane.tokens = lane.tree.tokens
+            elif lane.tokens.shape[0] > room - 1:
+                lane.tokens = lane.tokens[: room - 1]
+                p = lane.proposal
+                if p is not None:
+                    lane.proposal = replace(p, tokens=lane.tokens, probs=None if p.probs is None else p.probs[: room - 1])
+                lane.forced = min(lane.forced, room - 1)
+        return room
 
     def _may_pad(self, b: int) -> bool:
         """Whether the slots after the first b may take an engine's padding lanes (TorchBatchEngine):

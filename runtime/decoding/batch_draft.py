@@ -51,10 +51,11 @@ class BatchDraft:
 
     def _rollback(self, slot: int, ids: np.ndarray) -> None:
         """The slot's length back to what its K/V and the lane's text agree on (never the last
-        token: it opens the first pass)."""
+        token: it opens the first pass), and for a draft with recurrent states to a position whose
+        state the slot keeps."""
         m = min(int(self.length[slot]), ids.shape[0] - 1)
         same = self.fed[slot, :m] == ids[:m]
-        self.length[slot] = m if same.all() else int(same.argmin())
+        self.length[slot] = self.engine.resumable(slot, m if same.all() else int(same.argmin()))
 
     def _feed(self, slot: int, tokens: np.ndarray) -> None:
         at = int(self.length[slot])
@@ -130,9 +131,11 @@ class BatchDraft:
         """One pass for the neighbouring `slots`, each fed its tokens at its length -> each slot's
         logits at its last token. A feed shorter than the longest is padded with its last token:
         the padding's K/V land past the slot's length, which is never read and is written over by
-        its next pass. Each slot goes alone where the padding would pass the buffer's end, and for
+        its next pass. Each slot goes alone where the padding would pass the buffer's end, for
         a fused graph's passes of more than one token (GroupQueryAttention takes several tokens of
-        one sequence only)."""
+        one sequence only), and for a draft with recurrent states where the feeds differ in length
+        (a padded slot's state must be the one after its own last token, which a pass returning
+        its last row only would not give, and all rows of a long catch-up the ring would not keep)."""
         if len(slots) == 1:
             return [self._alone(slots[0], feeds[0])]
         starts = self.length[slots[0] : slots[-1] + 1].copy()
@@ -145,6 +148,8 @@ class BatchDraft:
             row[: f.shape[0]] = f
             row[f.shape[0]:] = f[-1]
         same = bool((sizes == t).all())
+        if not same and self.engine.spec.state_names:  # a slot's state after its own last token, not the padding's
+            return [self._alone(i, f) for i, f in zip(slots, feeds)]
         logits = self.engine.forward(tokens, starts, first=slots[0], last=same, pad=False)
         # copies: the engine's logits buffer is the next pass's output
         return [logits[j, -1 if same else n - 1].copy() for j, n in enumerate(sizes)]
