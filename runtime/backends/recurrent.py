@@ -16,6 +16,8 @@ must go: the prompt cache and a model drafter then feed the tokens from there ag
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import numpy as np
 import onnxruntime as ort
 
@@ -27,13 +29,15 @@ class RecurrentStates:
     """The states of one sequence at its most recent positions, in host memory (CPU engines; a
     batched engine keeps one per slot)."""
 
-    def __init__(self, spec: ModelSpec, keep: int, name: str):
+    def __init__(self, spec: ModelSpec, keep: int, name: str, zeros: Callable = lambda shape: np.zeros(shape, np.float32)):
+        """`zeros(shape)`: a float32 buffer of zeros (a numpy array; the torch backend's: a tensor
+        on its device, kept by `read`/`store` as arrays are; `bind` is ONNX Runtime's)."""
         self.name = name
         self.names = spec.state_names
         self.shapes = [spec.state_shape(i)[1:] for i, _ in self.names]
         self.keep = max(2, keep)
-        self.ring = [np.zeros((self.keep, *shape), np.float32) for shape in self.shapes]
-        self.zeros = [np.zeros((1, *shape), np.float32) for shape in self.shapes]  # the state before any token
+        self.ring = [zeros((self.keep, *shape)) for shape in self.shapes]
+        self.zeros = [zeros((1, *shape)) for shape in self.shapes]  # the state before any token
         self.slot_of: dict[int, int] = {}  # position -> the ring slot holding the state after its first p tokens
         self._scratch: dict[int, list[np.ndarray]] = {}  # R -> a pass's outputs where the ring cannot take them
         self._pending: tuple[int, int, list[np.ndarray] | None] | None = None

@@ -41,10 +41,12 @@ import torch
 
 from specdeploy.core.errors import InputError
 from specdeploy.core.choices import FLOAT_DTYPES
-from specdeploy.core.manifest import ModelSpec
+from specdeploy.core.manifest import ModelSpec, kept_positions
 from specdeploy.core.graph_io import AUX_HIDDEN, DRAFT_HIDDEN_OUT, check_pass, window_length
 
 from specdeploy.runtime.decoding.engine import Checked
+
+from .recurrent import RecurrentStates
 
 
 @dataclass
@@ -137,16 +139,17 @@ class TorchEngine:
         capture_max_t: int = 9,
         min_window: int = 64,
         warmup: int = 2,
+        keep_states: int = 16,
     ):
-        if spec.state_names:
-            raise InputError(f"{spec.role} (torch): a model with linear-attention layers runs on ONNX Runtime's CPU "
-                             "provider (--backend ort); the torch backend keeps no recurrent states yet")
         self._options = dict(capture=capture, buckets=buckets, capture_max_t=capture_max_t, min_window=min_window,
-                             warmup=warmup)
-        self.chains = True  # draft_chain / verify_chain: a round with one host synchronisation
+                             warmup=warmup, keep_states=keep_states)
+        recurrent = bool(spec.state_names)
+        # draft_chain / verify_chain: a round with one host synchronisation (not over recurrent
+        # states: a pass reads the state kept at its start, which the host picks)
+        self.chains = not recurrent
         # tree passes (forward(..., tree=)): float graphs without a sliding window (see the ort
         # backend's tree_capable); run eager, with the exact window
-        self.trees = spec.dtype in FLOAT_DTYPES and spec.sliding_window is None
+        self.trees = spec.dtype in FLOAT_DTYPES and spec.sliding_window is None and not recurrent
         self.spec = spec
         self.name = f"{spec.role} (torch)"
         self.max_seq = max_seq
@@ -158,10 +161,10 @@ class TorchEngine:
         # AUX_HIDDEN rows at their positions into `features`; a head takes its inputs per pass
         # and leaves its state in `outputs`. Eager only for now: no pass of theirs is captured.
         self.feature_inputs, self.feature_outputs = spec.feature_inputs, spec.feature_outputs
-        eagle = bool(self.feature_inputs or self.feature_outputs)
+        eager = bool(self.feature_inputs or self.feature_outputs) or recurrent
         self.capture = cuda if capture is None else (capture and cuda)
-        self.capture = self.capture and not eagle
-        self.buckets = self.capture if buckets is None else (buckets and not eagle)
+        self.capture = self.capture and not eager
+        self.buckets = self.capture if buckets is None else (buckets and not eager)
         width = self.feature_outputs.get(AUX_HIDDEN)
         self._features = torch.zeros((max_seq, width), dtype=torch.float32, device=self.device) if width else None
         self.features = None if width is None else (
@@ -177,6 +180,10 @@ class TorchEngine:
         self.graph = graph.to(self.device).eval()
         self.graph.inplace = True  # write the buffers below where they lie
         self.stats = TorchEngineStats(device=str(self.device), capture=self.capture)
+        # A model with linear-attention layers: its recurrent states kept by position, as the ort
+        # backend keeps them (backends/recurrent.py), on the device; passes run eager
+        self.states = RecurrentStates(spec, keep_states, self.name,
+                                      lambda shape: torch.zeros(shape, dtype=torch.float32, device=self.device))
         kv_dtype = getattr(torch, spec.kv_dtype)
         # Allocated once, never moved: rollback is the caller moving its length back.
         self.kv = [torch.zeros(spec.kv_shape(i, 1, max_seq), dtype=kv_dtype, device=self.device)
@@ -222,6 +229,7 @@ class TorchEngine:
         if device is None:
             device = "cuda" if torch.cuda.is_available() else "cpu"
         options.setdefault("capture_max_t", bundle.max_draft + 1)  # a verify pass's largest T
+        options.setdefault("keep_states", kept_positions(bundle.max_draft))
         return cls(graph, spec, bundle.max_seq, device=device, **options)
 
     # -- the protocol ---------------------------------------------------------------------
@@ -234,7 +242,8 @@ class TorchEngine:
         return [t.data_ptr() for t in self.kv]
 
     def resumable(self, length: int) -> int:
-        return length  # K/V only: any prefix (see Engine.resumable)
+        """K/V only: any prefix; with recurrent states, a prefix whose state is kept (see Engine.resumable)."""
+        return self.states.resumable(length) if self.states else length
 
     @property
     def kv_arrays(self) -> list[np.ndarray]:
@@ -417,8 +426,22 @@ class TorchEngine:
                              *(buffer[:, :t] for buffer in self._feature_in.values()))
             self._state = out[-1]
             return out[0]
+        if self.states:  # eager only: the host knows the write position
+            return self._recurrent_pass(ids, positions, start, mask)
         out = self.graph(ids, positions[None], start, mask[None, None], self.kv)
         if self._features is not None:  # a target for an EAGLE-3 head: its states, at their positions
+            self._features.index_copy_(0, positions, out[-1][0])
+        return out[0]
+
+    def _recurrent_pass(self, ids, positions, start, mask) -> torch.Tensor:
+        """The module over the buffers and the recurrent states kept at the pass's start; the
+        states after every row kept by position (the ring keeps the last `keep`)."""
+        at, t = int(self._stage_np[0]), ids.shape[1]
+        before = self.states.read(at)
+        out = self.graph(ids, positions[None], start, mask[None, None], self.kv, self._arange[:t], list(before))
+        n = len(self.kv)
+        self.states.store(at + 1, [state[0] for state in out[1 + n : 1 + n + len(before)]], t)
+        if self._features is not None:  # a target for a head: its final states, at their positions
             self._features.index_copy_(0, positions, out[-1][0])
         return out[0]
 
