@@ -48,6 +48,20 @@ def concurrently(batched, work, stagger=0.0):
     return out
 
 
+def assert_a_batch_of_4_answers_each_as_alone(bundle, n=len(tiny.PROMPTS)):
+    """The first n of `jobs` (greedy and seeded sampled, pinned and auto draft lengths, plain,
+    different prompt lengths and finishing times), sent at once to a batch of 4 so that requests
+    join as others leave: each one's tokens are Session's alone."""
+    work = jobs(n)
+    want = solo(bundle, work)
+    batched = BatchSession(bundle, batch=4, max_queue=32)
+    try:
+        assert concurrently(batched, work, stagger=0.002) == want
+        assert batched.rounds > 0
+    finally:
+        batched.close()
+
+
 @pytest.mark.parametrize("name", ["llama-ngram", "llama-suffix", "qwen2-self", "mistral-model", "llama-same",
                                   "llama-self-int8"])
 def test_every_request_in_a_batch_equals_it_alone(bundles, name):
@@ -56,14 +70,7 @@ def test_every_request_in_a_batch_equals_it_alone(bundles, name):
     Lookup drafts (ngram, suffix) and draft graphs (a self-draft, a separate model with a
     sliding window, the target drafting for itself: every draft accepted; its own int8 copy, a
     fused graph), each lane's draft in its own slot of the batch's draft engine."""
-    work = jobs()
-    want = solo(bundles(name), work)
-    batched = BatchSession(bundles(name), batch=4, max_queue=32)
-    try:
-        assert concurrently(batched, work, stagger=0.002) == want
-        assert batched.rounds > 0
-    finally:
-        batched.close()
+    assert_a_batch_of_4_answers_each_as_alone(bundles(name))
 
 
 def test_token_trees_in_a_batch_beside_chains_answer_each_request_as_alone(bundles):

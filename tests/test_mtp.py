@@ -212,18 +212,9 @@ def test_every_request_in_a_batch_of_4_equals_it_alone(bundles):
     """One MTP layer per slot reading the hidden states the batched target wrote there, beside the
     slot's recurrent states: greedy and seeded sampled, pinned and auto, plain, joining as others
     leave: each request's tokens are a Session's alone."""
-    from specdeploy.runtime.decoding.batch import BatchSession
-    from test_batch import concurrently, jobs, solo
+    from test_batch import assert_a_batch_of_4_answers_each_as_alone
 
-    bundle = bundles("qwen35-mtp-tied")
-    work = jobs(12)
-    want = solo(bundle, work)
-    batched = BatchSession(bundle, batch=4, max_queue=32)
-    try:
-        assert concurrently(batched, work, stagger=0.002) == want
-        assert batched.rounds > 0
-    finally:
-        batched.close()
+    assert_a_batch_of_4_answers_each_as_alone(bundles("qwen35-mtp-tied"), 12)
 
 
 @pytest.mark.bundle

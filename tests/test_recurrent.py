@@ -366,18 +366,9 @@ def test_every_request_in_a_batch_of_4_equals_it_alone(draft, bundles):
     auto draft lengths, plain, prompts of different lengths finishing at different times, joining
     as others leave: token for token what a Session gives each alone. A draft model of the family
     and a self-draft keep theirs in the batch's draft engine, slot by slot."""
-    from specdeploy.runtime.decoding.batch import BatchSession
-    from test_batch import concurrently, jobs, solo
+    from test_batch import assert_a_batch_of_4_answers_each_as_alone
 
-    bundle = bundles("qwen35", draft)
-    work = jobs(12)
-    want = solo(bundle, work)
-    batched = BatchSession(bundle, batch=4, max_queue=32)
-    try:
-        assert concurrently(batched, work, stagger=0.002) == want
-        assert batched.rounds > 0
-    finally:
-        batched.close()
+    assert_a_batch_of_4_answers_each_as_alone(bundles("qwen35", draft), 12)
 
 
 @pytest.mark.bundle
