@@ -1,6 +1,6 @@
 """What returning a linear-attention layer's states after every row costs a verify pass, on this CPU.
 
-    python -m benchmarks.recurrent_cost [--work DIR] [--context 256] [--steps 20] [--rounds 5] [--json OUT]
+    python -m benchmarks.recurrent_cost [--work DIR] [--context 256] [--steps 20] [--rounds 5] [--batch 4] [--json OUT]
 
 No Qwen3.5 checkpoint can be fetched here, so the model is random, in the published layout, at a
 shape stated in the output: Qwen3.5-0.8B's layer shapes as its config gives them (hidden 1024,
@@ -15,6 +15,12 @@ the per-row states (and of 8 rows of logits, 2% of the head's weights here). Bes
 same shapes with every layer full attention (no states), its step and 9-token pass in the same
 rounds: what a verify pass costs a model without recurrences. Random weights cost what trained
 ones do: the work is the shapes'.
+
+With --batch B (> 1), the same rounds also time a batched verify pass of B sequences (each in its
+KV slot at position --context, T = 9, every row's state out: runtime/backends/ort_batch.py stages
+each slot's state in and copies its B x 9 states back into its ring), beside B single-sequence
+verify passes one after another and a batched pass of the all-attention model; and a batched step
+(T = 1) of B sequences beside B single steps.
 """
 from __future__ import annotations
 
@@ -43,6 +49,7 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=256)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     import tiny
@@ -74,6 +81,23 @@ def main() -> None:
         "all-attention model: step (T=1)": lambda: attention.forward(prompt[at : at + 1], at),
         "all-attention model: verify (T=9)": lambda: attention.forward(prompt[at : at + 9], at),
     }
+    if args.batch > 1:
+        from specdeploy.runtime.backends import make_batch_engine
+
+        b = args.batch
+        batched = {}
+        for name, (_, folder) in engines.items():
+            bundle = load_bundle(folder)
+            batched[name] = make_batch_engine("ort", bundle, b)
+            for slot in range(b):
+                batched[name].forward(prompt[None, : args.context], np.array([0]), first=slot, last=True)
+        rows = np.repeat(prompt[None, at : at + 9], b, axis=0)
+        starts = np.full(b, at, dtype=np.int64)
+        passes[f"batched verify, {b} sequences (T=9, {b}x9 states out)"] = lambda: batched["model"].forward(rows, starts)
+        passes[f"{b} single verify passes (T=9)"] = lambda: [engine.forward(prompt[at : at + 9], at) for _ in range(b)]
+        passes[f"all-attention model: batched verify, {b} sequences"] = lambda: batched["attention"].forward(rows, starts)
+        passes[f"batched step, {b} sequences (T=1)"] = lambda: batched["model"].forward(rows[:, :1], starts)
+        passes[f"{b} single steps (T=1)"] = lambda: [engine.forward(prompt[at : at + 1], at) for _ in range(b)]
     times = {name: [] for name in passes}
     prefills = {"model": [], "attention": []}
     for _ in range(args.rounds):
