@@ -298,7 +298,7 @@ class BatchSession(Prompts):
                 engine = make_batch_engine(backend, b, batch, threads, device, role="draft")
                 ratio = static_cost_ratio(b, b.model("draft"), b.model("target"))
                 self.draft = BatchDraft(engine, ratio, batch)
-            else:  # an EAGLE-3 head per slot, reading the hidden states the batched target writes there
+            else:  # a head per slot (EAGLE-3, MTP, assistant), reading the hidden states the batched target writes there
                 if self.target.features is None:
                     raise InputError(f"{b.path}: its {kind} head reads the target's hidden states, which the "
                                      f"{backend} backend's batched passes do not return; use --backend ort")
