@@ -360,7 +360,7 @@ def test_sampled_speculation_keeps_the_distribution(tmp_path):
 
 
 @pytest.mark.bundle
-@pytest.mark.parametrize("draft", ["model", "self:layers=2", "ngram"])
+@pytest.mark.parametrize("draft", ["model", "self:layers=2", "self:dtype=int8", "ngram", "suffix"])
 def test_every_request_in_a_batch_of_4_equals_it_alone(draft, bundles):
     """Each slot keeps its own states by position: greedy and seeded sampled requests, pinned and
     auto draft lengths, plain, prompts of different lengths finishing at different times, joining
