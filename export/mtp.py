@@ -255,6 +255,27 @@ def export_mtp(mtp: Mtp, target: Source, dtype: str, *, work: Path, max_seq: int
     return spec.replace(parity=parity)
 
 
+def rebuild_mtp(spec: ModelSpec) -> MtpGraph:
+    """The MTP layer's graph module as export made it (what the torch backend runs), from the
+    target checkpoint the manifest names, checked against its sha256 and parameter count."""
+    from specdeploy.core.errors import BundleError
+
+    from .load import load_source, source_digest
+
+    if spec.source is None or not Path(spec.source).exists():
+        raise BundleError(f"the torch backend rebuilds the MTP layer from {spec.source}: no such model folder")
+    if spec.source_sha256 is not None and source_digest(Path(spec.source)) != spec.source_sha256:
+        raise BundleError(f"{spec.source}: the checkpoint changed after export (its sha256 differs from the manifest's); "
+                          "re-export the bundle")
+    try:
+        mtp = load_mtp(load_source(spec.source))
+    except ExportError as e:
+        raise BundleError(f"the torch backend rebuilds the MTP layer: {e}") from None
+    if mtp_parameters(mtp) != spec.parameters:
+        raise BundleError(f"{spec.source}: the MTP layer's parameter count differs from the manifest's; re-export the bundle")
+    return mtp_graph(mtp, spec.dtype)
+
+
 def mtp_parameters(mtp: Mtp) -> int:
     """The layer's own weights (it reads the target's embedding and head)."""
     own = [mtp.model.model.layers[0], mtp.model.model.norm, mtp.input]
@@ -262,4 +283,4 @@ def mtp_parameters(mtp: Mtp) -> int:
 
 
 __all__ = ["FAMILIES", "GRAPH_FILE", "Mtp", "MtpGraph", "MtpReference", "export_mtp", "load_mtp", "mtp_graph",
-           "read_weights"]
+           "read_weights", "rebuild_mtp"]

@@ -8,7 +8,7 @@ in the checkpoint's own safetensors file, as the released checkpoints keep it):
 - the tokens it drafts are the ones transformers' layer proposes, chained on its own output;
 - greedy speculative output equals plain and Hugging Face `generate` at k = 1, 3, 8 and auto, at
   fp32 and int4, with drafts rejected and (a layer made to propose repeats) accepted, in a Session
-  and in a batch of 4 with joins and leaves;
+  (ONNX Runtime and the torch backend) and in a batch of 4 with joins and leaves;
 - seeded sampling through it passes the suite's chi-square test;
 - a checkpoint without the layer, or with one of another shape, is refused in one line."""
 from __future__ import annotations
@@ -205,6 +205,25 @@ def test_speculative_equals_plain_and_hf_generate(name, dtype, models, bundles):
     assert drafted > accepted  # rejections: the recurrent states rolled back
     if MODELS[name][1].get("repeat"):
         assert accepted > 0  # and acceptances: the layer's own state fed on, the target's states caught up
+
+
+@pytest.mark.bundle
+def test_the_torch_backend_drafts_with_the_layer_as_onnx_runtime_does(bundles):
+    """The torch backend rebuilds the layer from the checkpoint: its rounds draft and accept what
+    ONNX Runtime's do at a pinned k, and its output is plain decoding's."""
+    bundle = bundles("qwen35-mtp-tied")
+    ort_session, torch_session = Session(bundle), Session(bundle, backend="torch")
+    accepted = 0
+    for prompt in (PROMPTS[1], PROMPTS[16]):
+        ids = ort_session.encode(prompt)
+        plain = ort_session.generate(prompt_ids=ids, max_new_tokens=NEW_TOKENS, speculate=False).token_ids
+        for k in (1, 3):
+            got = torch_session.generate(prompt_ids=ids, max_new_tokens=NEW_TOKENS, draft_len=k)
+            want = ort_session.generate(prompt_ids=ids, max_new_tokens=NEW_TOKENS, draft_len=k)
+            assert got.token_ids == plain, (prompt, k)
+            assert (got.stats.drafted, got.stats.accepted) == (want.stats.drafted, want.stats.accepted), (prompt, k)
+            accepted += got.stats.accepted
+    assert accepted > 0
 
 
 @pytest.mark.bundle

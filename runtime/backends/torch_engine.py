@@ -223,8 +223,12 @@ class TorchEngine:
             from specdeploy.export.eagle3_export import rebuild_head
 
             graph = rebuild_head(spec, bundle.model("target"))
+        elif bundle.draft.kind == "mtp" and spec.role == "draft":  # the MTP layer, from the target's checkpoint
+            from specdeploy.export.mtp import rebuild_mtp
+
+            graph = rebuild_mtp(spec)
         else:
-            eagle = bundle.draft.kind == "eagle3" and spec.role == "target"
+            eagle = bundle.draft.kind in ("eagle3", "mtp") and spec.role == "target"
             graph = rebuild_graph(spec, tuple(bundle.draft.aux_layers) if eagle else None)
         if device is None:
             device = "cuda" if torch.cuda.is_available() else "cpu"

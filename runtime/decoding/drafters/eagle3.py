@@ -151,7 +151,7 @@ class MtpDrafter(Eagle3Drafter):
     same contract over the target's final state, proposing from the whole vocabulary."""
 
     kind = "mtp"
-    backends = ("ort",)  # its graph is ONNX only: the torch backend rebuilds no MTP module yet
+    backends = ("ort", "torch")  # as an EAGLE-3 head (the torch one rebuilds the layer from the checkpoint)
 
     @classmethod
     def from_bundle(cls, bundle: Bundle, backend: BackendChoice | str, threads: int | None) -> "MtpDrafter":
