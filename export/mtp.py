@@ -203,9 +203,10 @@ class MtpReference(nn.Module):
 
 def mtp_graph(mtp: Mtp, dtype: str) -> MtpGraph:
     """The graph module at `dtype`: fp32 over the checkpoint's floats; int8/int4 quantize a copy's
-    projections (the layer's, fc, the head as the target's exact scheme does: int8)."""
+    projections (the layer's, fc, the head as the target's exact scheme does: int8), and int4 the
+    token embedding it reads (4-bit blocks: the graph's copy of the table an eighth of its floats)."""
     from .blocks import quantize_float
-    from .quantize import SCHEMES, QuantLinear, _key, quantize_model
+    from .quantize import SCHEMES, QuantEmbedding, QuantLinear, _key, quantize_model
 
     model, inputs, record = mtp.model, mtp.input, None
     if dtype in SCHEMES:
@@ -220,6 +221,9 @@ def mtp_graph(mtp: Mtp, dtype: str) -> MtpGraph:
         key = _key(blocks)
         record["tensors"] = dict(sorted({**record["tensors"], key: record["tensors"].get(key, 0) + 1}.items()))
         record["quantized_from_float"] += 1
+        if SCHEMES[dtype] == 4:  # the embedding it reads in 4-bit blocks, as an EAGLE-3 head's: a draft only proposes
+            model.model.embed_tokens = QuantEmbedding.of(model.model.embed_tokens.weight)
+            record["embedding"] = "int4"
     elif dtype != "fp32":
         raise ExportError(f"--draft-dtype {dtype} with --draft mtp: use fp32, int8 or int4")
     graph = MtpGraph(mtp, model, inputs).eval()
