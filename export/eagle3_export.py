@@ -161,14 +161,10 @@ def rebuild_head(spec: ModelSpec, target: ModelSpec) -> Eagle3Graph:
     from specdeploy.core.errors import BundleError
 
     from .eagle3 import load_head
-    from .load import load_source
+    from .load import check_recorded_source, load_source
 
     for entry, what in ((spec, "EAGLE-3 head"), (target, "target")):
-        if entry.source is None or not Path(entry.source).exists():
-            raise BundleError(f"the torch backend rebuilds the {what} from {entry.source}: no such folder or file")
-        if entry.source_sha256 is not None and source_digest(Path(entry.source)) != entry.source_sha256:
-            raise BundleError(f"{entry.source}: the {what} changed after export (its sha256 differs from the "
-                              "manifest's); re-export the bundle")
+        check_recorded_source(entry.source, entry.source_sha256, what)
     try:
         source = load_source(target.source)
         head = load_head(Path(spec.source), source.config)

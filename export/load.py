@@ -33,6 +33,18 @@ def embedded_default() -> Path:
     return path
 
 
+def check_recorded_source(path: str | None, sha256: str | None, what: str) -> None:
+    """A source a bundle's manifest records (a model folder or file the torch backend rebuilds a
+    module from) still there and unchanged by its sha256, or a one-line BundleError."""
+    from specdeploy.core.errors import BundleError
+
+    if path is None or not Path(path).exists():
+        raise BundleError(f"the torch backend rebuilds the {what} from {path}: no such folder or file")
+    if sha256 is not None and source_digest(Path(path)) != sha256:
+        raise BundleError(f"{path}: the {what} changed after export (its sha256 differs from the manifest's); "
+                          "re-export the bundle")
+
+
 def source_digest(path: Path) -> str:
     """sha256 of a source model: of the .gguf file, or over a folder's files (names and
     contents), so a rebuild from it can tell that it changed since export."""

@@ -264,13 +264,9 @@ def rebuild_mtp(spec: ModelSpec) -> MtpGraph:
     target checkpoint the manifest names, checked against its sha256 and parameter count."""
     from specdeploy.core.errors import BundleError
 
-    from .load import load_source, source_digest
+    from .load import check_recorded_source, load_source
 
-    if spec.source is None or not Path(spec.source).exists():
-        raise BundleError(f"the torch backend rebuilds the MTP layer from {spec.source}: no such model folder")
-    if spec.source_sha256 is not None and source_digest(Path(spec.source)) != spec.source_sha256:
-        raise BundleError(f"{spec.source}: the checkpoint changed after export (its sha256 differs from the manifest's); "
-                          "re-export the bundle")
+    check_recorded_source(spec.source, spec.source_sha256, "MTP layer's checkpoint")
     try:
         mtp = load_mtp(load_source(spec.source))
     except ExportError as e:
