@@ -137,7 +137,7 @@ class MtpGraph(SpecGraph):
 
     The decoder layer is the family's (SpecGraph's own attention and MLP, exact as for the target)."""
 
-    def __init__(self, mtp: Mtp, model: nn.Module, inputs: MtpInput, inplace: bool = False):
+    def __init__(self, model: nn.Module, inputs: MtpInput, inplace: bool = False):
         super().__init__(model, inplace=inplace)
         self.input = inputs
         hidden = model.config.hidden_size
@@ -226,7 +226,7 @@ def mtp_graph(mtp: Mtp, dtype: str) -> MtpGraph:
             record["embedding"] = "int4"
     elif dtype != "fp32":
         raise ExportError(f"--draft-dtype {dtype} with --draft mtp: use fp32, int8 or int4")
-    graph = MtpGraph(mtp, model, inputs).eval()
+    graph = MtpGraph(model, inputs).eval()
     graph.quantization = record
     return graph
 
