@@ -172,6 +172,7 @@ class TorchEngine:
         self._feature_in = {name: torch.zeros((1, max_seq, w), dtype=torch.float32, device=self.device)
                             for name, w in self.feature_inputs.items()}
         self.outputs: dict[str, np.ndarray] = {}
+        self._last = False  # the pass under way: its caller reads its last row only (see forward)
         self._state = None  # a head's last pass's states [1, T, H] on the device
         self.capture_max_t = capture_max_t
         self.min_window = min_window
@@ -260,7 +261,8 @@ class TorchEngine:
                 features: "dict[str, np.ndarray | None] | None" = None) -> np.ndarray:
         """token_ids [T] at positions start..start+T-1 -> logits [T, V] float32; with `tree` (a
         TreeLayout, where `trees` is True) a tree pass, run eager. `last` (the caller reads
-        only the last row) changes nothing here: every row comes back.
+        only the last row) changes nothing here but for a model with recurrent states, whose
+        pass then computes and keeps the last row's logits and state only ([1, V]).
 
         The returned array is this engine's buffer for T: valid until the next pass of
         the same T (on a CPU, a fresh array).
@@ -271,6 +273,7 @@ class TorchEngine:
         t = token_ids.shape[0]
         self._stage_np[0] = start
         self._stage_np[1 : 1 + t] = token_ids
+        self._last = last
         window = self._window(t, start) if tree is None else start + t
         self.stats.passes += 1
         for name, buffer in self._feature_in.items():  # an EAGLE-3 head's states for this pass (None: zeros)
@@ -294,9 +297,11 @@ class TorchEngine:
             logits = run()  # [1, T, V] on the device
             if timing:
                 self._events[1].record()
-            host = self._host_logits.get(t)
+            rows = logits.shape[1]
+            host = self._host_logits.get(rows)
             if host is None:
-                host = self._host_logits[t] = torch.empty((t, self.spec.logits_width), dtype=torch.float32, pin_memory=True)
+                host = self._host_logits[rows] = torch.empty((rows, self.spec.logits_width), dtype=torch.float32,
+                                                             pin_memory=True)
             host.copy_(logits[0], non_blocking=True)
             torch.cuda.current_stream(self.device).synchronize()  # the one host sync of the pass
             self.stats.host_syncs += 1
@@ -439,12 +444,16 @@ class TorchEngine:
 
     def _recurrent_pass(self, ids, positions, start, mask) -> torch.Tensor:
         """The module over the buffers and the recurrent states kept at the pass's start; the
-        states after every row kept by position (the ring keeps the last `keep`)."""
+        states after each returned row kept by position (every row, or the last one alone for a
+        caller that reads only it: a prefill chunk's states are not computed row by row for
+        nothing; the ring keeps the last `keep`)."""
         at, t = int(self._stage_np[0]), ids.shape[1]
+        rows = self._arange[t - 1 : t] if self._last else self._arange[:t]
         before = self.states.read(at)
-        out = self.graph(ids, positions[None], start, mask[None, None], self.kv, self._arange[:t], list(before))
+        out = self.graph(ids, positions[None], start, mask[None, None], self.kv, rows, list(before))
         n = len(self.kv)
-        self.states.store(at + 1, [state[0] for state in out[1 + n : 1 + n + len(before)]], t)
+        self.states.store(at + t - rows.shape[0] + 1, [state[0] for state in out[1 + n : 1 + n + len(before)]],
+                          rows.shape[0])
         if self._features is not None:  # a target for a head: its final states, at their positions
             self._features.index_copy_(0, positions, out[-1][0])
         return out[0]
