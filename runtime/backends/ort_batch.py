@@ -75,7 +75,7 @@ class OrtBatchEngine:
         # [B, R, ...] outputs; empty for other graphs
         self.states = [RecurrentStates(spec, keep_states, f"{self.name} slot {i}") for i in range(max_batch)] \
             if spec.state_names else []
-        self._staged: list[np.ndarray] = []
+        self._staged: dict[str, np.ndarray] = {}  # state input / output name -> its staging buffer (see _staging)
         self.padding_floor = None  # its passes carry no padding lanes (TorchBatchEngine's do)
         self.trees = tree_capable(spec, Placement())  # verifies token trees: forward(layouts=), move_kv
         self.runs = 0  # passes begun (the Engine contract's counter)
@@ -168,15 +168,24 @@ class OrtBatchEngine:
         outputs bound to staging arrays [B, rows, ...] -> those arrays (read once the pass ran)."""
         b = starts.shape[0]
         sources = [self.states[first + i].read(int(starts[i])) for i in range(b)]
-        outputs, self._staged = [], []  # the staged inputs kept alive until the pass has run
+        outputs = []
         for j, ((inp, out), shape) in enumerate(zip(self.spec.state_names, self.states[0].shapes)):
-            staged = np.concatenate([source[j] for source in sources])
-            after = np.empty((b, rows, *shape), np.float32)
+            staged = self._staging(inp, (b, *shape))
+            np.concatenate([source[j] for source in sources], out=staged)
+            after = self._staging(out, (b, rows, *shape))
             binding.bind_input(inp, "cpu", 0, np.float32, list(staged.shape), staged.ctypes.data)
             binding.bind_output(out, "cpu", 0, np.float32, list(after.shape), after.ctypes.data)
             outputs.append(after)
-            self._staged.append(staged)
         return outputs
+
+    def _staging(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
+        """A view of `shape` over the staging buffer of state input or output `name`, grown on
+        demand and kept (a verify pass's states are megabytes: not allocated afresh each pass)."""
+        need = int(np.prod(shape))
+        flat = self._staged.get(name)
+        if flat is None or flat.size < need:
+            flat = self._staged[name] = np.empty(need, np.float32)
+        return flat[:need].reshape(shape)
 
     def resumable(self, slot: int, length: int) -> int:
         """The longest prefix of slot `slot`, at most `length` tokens, a pass can start after (a
