@@ -88,10 +88,15 @@ def export_head(head: Head, target: Source, dtype: str, *, work: Path, max_seq: 
     log(f"  draft: exported the EAGLE-3 head ({dtype}; target layers {list(head.layers)}, "
         f"{head.config.draft_vocab_size} draft tokens) in {time.perf_counter() - t0:.1f}s; checking parity")
     parity = check_head_parity(graph, reference, work / GRAPH_FILE, spec, max_seq, max_draft, prefill_chunk, dtype)
-    log(f"  draft: parity ok (max relative difference {parity['max_rel_diff_ort_vs_eager']:.1e}"
-        + (f"; eager against the published forward {parity['max_rel_diff_eager_vs_reference']:.1e})"
-           if parity["max_rel_diff_eager_vs_reference"] is not None else ")"))
+    log(head_parity_line(parity))
     return spec.replace(parity=parity)
+
+
+def head_parity_line(parity: dict) -> str:
+    """What export says of check_head_parity's record on the terminal."""
+    against = parity["max_rel_diff_eager_vs_reference"]
+    return (f"  draft: parity ok (max relative difference {parity['max_rel_diff_ort_vs_eager']:.1e}"
+            + (f"; eager against the published forward {against:.1e})" if against is not None else ")"))
 
 
 def head_schedule(max_seq: int, max_draft: int, prefill_chunk: int) -> list[tuple[int, int, bool]]:
@@ -177,4 +182,4 @@ def rebuild_head(spec: ModelSpec, target: ModelSpec) -> Eagle3Graph:
     return graph
 
 
-__all__ = ["GRAPH_FILE", "VOCAB_MAP", "check_head_parity", "export_head", "head_graph", "rebuild_head"]
+__all__ = ["GRAPH_FILE", "VOCAB_MAP", "check_head_parity", "export_head", "head_graph", "head_parity_line", "rebuild_head"]

@@ -31,16 +31,16 @@ import torch
 from torch import nn
 
 from specdeploy.core.errors import ExportError
-from specdeploy.core.graph_io import AUX_HIDDEN, DRAFT_HIDDEN, DRAFT_HIDDEN_OUT
+from specdeploy.core.graph_io import AUX_HIDDEN, DRAFT_HIDDEN, DRAFT_HIDDEN_OUT, graph_facts
 from specdeploy.core.manifest import ModelSpec
 
+from .architectures import FULL
 from .graph import SpecGraph
 from .load import Source
 
 GRAPH_FILE = "draft.onnx"
 PREFIX = "mtp."
 FAMILIES = ("qwen3_5_text",)  # the families whose MTP layer is implemented
-FULL = "full_attention"
 
 
 def read_weights(source: Source) -> dict[str, torch.Tensor]:
@@ -236,7 +236,7 @@ def export_mtp(mtp: Mtp, target: Source, dtype: str, *, work: Path, max_seq: int
     """The MTP layer's graph and manifest entry, written into `work`, checked against the eager
     graph module and (fp32) against MtpReference."""
     from .build import model_entry
-    from .eagle3_export import check_head_parity
+    from .eagle3_export import check_head_parity, head_parity_line
     from .onnx_export import export_onnx
 
     if device != "cpu":
@@ -246,16 +246,12 @@ def export_mtp(mtp: Mtp, target: Source, dtype: str, *, work: Path, max_seq: int
     graph = mtp_graph(mtp, dtype)
     spec = model_entry(graph, target, "draft", GRAPH_FILE, dtype, max_seq).replace(attention="exact",
                                                                                     parameters=mtp_parameters(mtp))
-    from specdeploy.core.graph_io import graph_facts
-
     export_onnx(graph, work / GRAPH_FILE, max_seq, getattr(torch, spec.kv_dtype), optimize=graph.quantization is None,
                 facts=graph_facts(spec), max_batch=2)
     log(f"  draft: exported the checkpoint's MTP layer ({dtype}) in {time.perf_counter() - t0:.1f}s; checking parity")
     parity = check_head_parity(graph, MtpReference(mtp), work / GRAPH_FILE, spec, max_seq, max_draft, prefill_chunk,
                                dtype)
-    log(f"  draft: parity ok (max relative difference {parity['max_rel_diff_ort_vs_eager']:.1e}"
-        + (f"; eager against the published forward {parity['max_rel_diff_eager_vs_reference']:.1e})"
-           if parity["max_rel_diff_eager_vs_reference"] is not None else ")"))
+    log(head_parity_line(parity))
     return spec.replace(parity=parity)
 
 
