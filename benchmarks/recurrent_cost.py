@@ -17,7 +17,7 @@ rounds: what a verify pass costs a model without recurrences. Random weights cos
 ones do: the work is the shapes'.
 
 With --batch B (> 1), the same rounds also time a batched verify pass of B sequences (each in its
-KV slot at position --context, T = 9, every row's state out: runtime/backends/ort_batch.py stages
+KV slot at position --context, T = 9, every row's state out: runtime/backends/ort.py's forward_batch stages
 each slot's state in and copies its B x 9 states back into its ring), beside B single-sequence
 verify passes one after another and a batched pass of the all-attention model; and a batched step
 (T = 1) of B sequences beside B single steps.
@@ -90,13 +90,13 @@ def main() -> None:
             bundle = load_bundle(folder)
             batched[name] = make_batch_engine("ort", bundle, b)
             for slot in range(b):
-                batched[name].forward(prompt[None, : args.context], np.array([0]), first=slot, last=True)
+                batched[name].forward_batch(prompt[None, : args.context], np.array([0]), first=slot, last=True)
         rows = np.repeat(prompt[None, at : at + 9], b, axis=0)
         starts = np.full(b, at, dtype=np.int64)
-        passes[f"batched verify, {b} sequences (T=9, {b}x9 states out)"] = lambda: batched["model"].forward(rows, starts)
+        passes[f"batched verify, {b} sequences (T=9, {b}x9 states out)"] = lambda: batched["model"].forward_batch(rows, starts)
         passes[f"{b} single verify passes (T=9)"] = lambda: [engine.forward(prompt[at : at + 9], at) for _ in range(b)]
-        passes[f"all-attention model: batched verify, {b} sequences"] = lambda: batched["attention"].forward(rows, starts)
-        passes[f"batched step, {b} sequences (T=1)"] = lambda: batched["model"].forward(rows[:, :1], starts)
+        passes[f"all-attention model: batched verify, {b} sequences"] = lambda: batched["attention"].forward_batch(rows, starts)
+        passes[f"batched step, {b} sequences (T=1)"] = lambda: batched["model"].forward_batch(rows[:, :1], starts)
         passes[f"{b} single steps (T=1)"] = lambda: [engine.forward(prompt[at : at + 1], at) for _ in range(b)]
     times = {name: [] for name in passes}
     prefills = {"model": [], "attention": []}

@@ -123,7 +123,6 @@ from torch import nn  # noqa: E402
 
 from specdeploy.export.graph import SpecGraph  # noqa: E402
 from specdeploy.runtime.backends.torch_engine import TorchEngine  # noqa: E402
-from specdeploy.runtime.backends.torch_batch import TorchBatchEngine  # noqa: E402
 from specdeploy.core.analytic import acceptance_estimate, predicted_speedup, tokens_per_pass  # noqa: E402
 from specdeploy.core.manifest import ModelSpec  # noqa: E402
 from specdeploy.runtime.decoding.drafters import ModelDrafter  # noqa: E402
@@ -563,15 +562,15 @@ def restricted_head_as_exported(c: Check, plan: Plan, device: str, builder: str)
 
 
 def batched_check(c: Check, graph, device: str, prompts, new_tokens: int) -> None:
-    """Batched passes (runtime/backends/torch_batch.py): up to 4 sequences decode greedily in one
+    """Batched passes (runtime/backends/torch_engine.py, `forward_batch`): up to 4 sequences decode greedily in one
     pass each step, joining one by one (batch buckets 1, 2, 4, padding lanes included), with
     verify-wide passes (T = 3) between; the captured engine's logits against the eager one's
     (replay == eager, as for single passes), and each sequence's tokens against the same prompt
     decoded alone. On a GPU the kernels chosen for B rows may sum in another order than for one,
     so agreement with decoding alone is reported (a near-tie may flip), not required."""
     spec = spec_of(graph, "target", torch.float32)
-    engines = {mode: TorchBatchEngine(graph, spec, MAX_SEQ, 4, device=device, capture=mode == "captured",
-                                      buckets=mode == "captured", capture_max_t=MAX_DRAFT + 1) for mode in ("eager", "captured")}
+    engines = {mode: TorchEngine(graph, spec, MAX_SEQ, device=device, capture=mode == "captured", max_batch=4,
+                                 buckets=mode == "captured", capture_max_t=MAX_DRAFT + 1) for mode in ("eager", "captured")}
     alone = engine(graph, "target", torch.float32, device, False)
     lanes = [np.asarray(p[: 40 + 9 * i], dtype=np.int64) for i, p in enumerate((list(prompts) * 4)[:4])]
     worst, flips, steps = 0.0, 0, 0
@@ -580,13 +579,13 @@ def batched_check(c: Check, graph, device: str, prompts, new_tokens: int) -> Non
         seqs = tokens[mode]
         for i, lane in enumerate(lanes):  # lane i joins after i * 4 steps of the others
             for at in range(0, lane.shape[0] - 1, PREFILL_CHUNK):
-                e.forward(lane[None, at : min(at + PREFILL_CHUNK, lane.shape[0] - 1)], np.array([at]), first=i, last=True)
+                e.forward_batch(lane[None, at : min(at + PREFILL_CHUNK, lane.shape[0] - 1)], np.array([at]), first=i, last=True)
         for step in range(new_tokens):
             live = [i for i in range(len(lanes)) if step >= 4 * i]
             wide = step % 5 == 4  # a verify-wide pass: the last token and two repeats of it
             rows = np.array([[seqs[i][-1]] * (3 if wide else 1) for i in live], dtype=np.int64)
             starts = np.array([len(seqs[i]) - 1 for i in live], dtype=np.int64)
-            out = e.forward(rows, starts).copy()
+            out = e.forward_batch(rows, starts).copy()
             for j, i in enumerate(live):
                 seqs[i].append(int(out[j, 0].argmax()))
             if mode == "captured":
@@ -596,7 +595,7 @@ def batched_check(c: Check, graph, device: str, prompts, new_tokens: int) -> Non
         flips += int(tokens["captured"][i] != tokens["eager"][i])
     probe = np.array([[tokens["eager"][i][-1]] for i in range(len(lanes))], dtype=np.int64)
     starts = np.array([len(tokens["eager"][i]) - 1 for i in range(len(lanes))], dtype=np.int64)
-    want, got = engines["eager"].forward(probe, starts).copy(), engines["captured"].forward(probe, starts).copy()
+    want, got = engines["eager"].forward_batch(probe, starts).copy(), engines["captured"].forward_batch(probe, starts).copy()
     worst = float(np.abs(got - want).max() / max(1.0, float(np.abs(want).max())))
     agree = 0
     for i, lane in enumerate(lanes):  # each lane decoded alone

@@ -73,21 +73,22 @@ def test_every_request_in_a_batch_equals_it_alone(bundles, name):
     assert_a_batch_of_4_answers_each_as_alone(bundles(name))
 
 
-def test_token_trees_in_a_batch_beside_chains_answer_each_request_as_alone(bundles):
+@pytest.mark.parametrize("backend", ["ort", "torch"])
+def test_token_trees_in_a_batch_beside_chains_answer_each_request_as_alone(bundles, backend):
     """A suffix bundle over an exact float target verifies token trees in a batch: greedy auto
     lanes (the batch's policy prunes each lane's tree to the pass's width), a sampled lane with its
     own tree policy, a pinned tree size, beside a pinned chain and plain decoding, joining as others
-    leave: each request's tokens are Session's alone. Trees with branches were verified, and
-    accepted paths off the main chain moved their K/V within their lane's slot."""
+    leave: each request's tokens are Session's alone (on the same backend). Trees with branches
+    were verified, and accepted paths off the main chain moved their K/V within their lane's slot."""
     bundle = bundles("llama-suffix")
     kinds = [dict(), dict(temperature=0.8, seed=3, private=True), dict(tree_nodes=6), dict(draft_len=3),
              dict(speculate=False), dict(tree_nodes=6, draft_len=2)]
     work = [(p, dict(kinds[i % len(kinds)], max_new_tokens=30 + 7 * (i % 3))) for i, p in enumerate(tiny.PROMPTS)]
-    want = solo(bundle, work)
-    batched = BatchSession(bundle, batch=4, max_queue=32)
+    want = solo(bundle, work, backend=backend)
+    batched = BatchSession(bundle, batch=4, max_queue=32, backend=backend)
     moved = []
     move = batched.target.move_kv
-    batched.target.move_kv = lambda *a: (moved.append(a), move(*a))
+    batched.target.move_kv = lambda *a, **kw: (moved.append(a), move(*a, **kw))
     try:
         results = [None] * len(work)
 
@@ -281,8 +282,8 @@ def test_sequences_near_the_end_of_the_buffer_pad_before_their_rows(bundles):
     batched = BatchSession(bundle, batch=2)
     batched.drafter = Repeats()
     widths = []
-    forward = batched.target.forward
-    batched.target.forward = lambda tokens, starts, **kw: (widths.append((tokens.shape, starts.tolist())),
+    forward = batched.target.forward_batch
+    batched.target.forward_batch = lambda tokens, starts, **kw: (widths.append((tokens.shape, starts.tolist())),
                                                            forward(tokens, starts, **kw))[1]
     try:
         assert joined(batched, work) == want
@@ -585,8 +586,8 @@ def test_a_tree_lane_near_the_end_of_the_buffer_pads_before_its_tree(bundles):
     batched = BatchSession(bundle, batch=2)
     batched.drafter = Forks()
     laid = []  # each tree pass's row offsets
-    forward = batched.target.forward
-    batched.target.forward = lambda tokens, starts, **kw: (
+    forward = batched.target.forward_batch
+    batched.target.forward_batch = lambda tokens, starts, **kw: (
         laid.extend(x.offsets.tolist() for x in kw.get("layouts") or [] if x is not None), forward(tokens, starts, **kw))[1]
     try:
         assert joined(batched, work) == want

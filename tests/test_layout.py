@@ -11,7 +11,6 @@ FOLDERS = {"core": "specdeploy.core", "export": "specdeploy.export", "runtime": 
 # The only crossings between the halves, each through a public name.
 ALLOWED = {
     ("runtime/backends/torch_engine.py", "specdeploy.export"),  # the torch backend runs the export-stage module
-    ("runtime/backends/torch_batch.py", "specdeploy.export"),  # and so does its batched engine
     ("export/onnx_export.py", "specdeploy.runtime.backends.ort"),  # parity runs the graph on ONNX Runtime
     ("export/eagle3_export.py", "specdeploy.runtime.backends.ort"),  # and so does an EAGLE-3 head's
     ("export/assistant.py", "specdeploy.runtime.decoding.drafters.assistant"),  # and an assistant's, bound as it runs

@@ -403,8 +403,8 @@ def test_a_batch_reuses_a_slot_from_its_kept_state_and_fits_rows_after_each_lane
     batched = BatchSession(bundle, batch=2)
     batched.drafter = Repeats()
     widths = []
-    forward = batched.target.forward
-    batched.target.forward = lambda tokens, starts, **kw: (widths.append(tokens.shape), forward(tokens, starts, **kw))[1]
+    forward = batched.target.forward_batch
+    batched.target.forward_batch = lambda tokens, starts, **kw: (widths.append(tokens.shape), forward(tokens, starts, **kw))[1]
     try:
         assert joined(batched, work) == want
         assert (2, 9) in widths and any(b == 2 and t < 9 for b, t in widths)  # wide, then cut to the room left

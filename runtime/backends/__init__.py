@@ -111,21 +111,11 @@ def make_batch_engine(backend: str, bundle, batch: int, threads: int | None = No
     """The bundle's target (or draft graph) over `batch` KV slots (runtime/decoding/batch.py):
     ONNX Runtime on the CPU, or the torch backend (CPU or CUDA)."""
     choice = BackendChoice.of(backend, device)
-    spec = bundle.model(role)
-    if choice.name == "ort":
-        if choice.device is not None and choice.device.kind != "cpu":
-            raise InputError("batched passes on ONNX Runtime run on the CPU; on a GPU use --backend torch")
-        from specdeploy.core.manifest import kept_positions
-
-        from .ort_batch import OrtBatchEngine
-
-        return OrtBatchEngine(bundle.file(spec.graph), spec, bundle.max_seq, batch, threads,
-                              keep_states=kept_positions(bundle.max_draft))
-    if choice.name == "torch":
-        engine_class("torch")  # torch installed, or the one-line error
-        from .torch_batch import TorchBatchEngine
-
-        return TorchBatchEngine.from_bundle(bundle, spec, batch, threads=threads, **choice.engine_options())
+    if choice.name == "ort" and choice.device is not None and choice.device.kind != "cpu":
+        raise InputError("batched passes on ONNX Runtime run on the CPU; on a GPU use --backend torch")
+    if choice.name in ("ort", "torch"):
+        return engine_class(choice.name).from_bundle(bundle, bundle.model(role), threads=threads, batch=batch,
+                                                     **choice.engine_options())
     raise InputError(f"backend {choice.name!r} runs one sequence per pass; batched serving takes --backend ort or torch")
 
 

@@ -507,12 +507,13 @@ class OrtEngine:
     def __init__(
         self, graph_path: Path, spec: ModelSpec, max_seq: int, threads: int | None = None,
         session: ort.InferenceSession | None = None, spinning: bool | None = None,
-        placement: Placement | None = None, keep_states: int = 16,
+        placement: Placement | None = None, keep_states: int = 16, max_batch: int = 1,
     ):
         """`spinning` (see session_options): default on for the target, off for a draft.
         `session`: one already loaded for `placement` (a fork shares its weights). `keep_states`:
         how many recent positions' recurrent states a model with linear-attention layers keeps
-        (runtime/backends/recurrent.py): a round rolls back at most its draft length."""
+        (runtime/backends/recurrent.py): a round rolls back at most its draft length.
+        `max_batch`: KV slots (sequences a `forward_batch` pass may carry); `forward` runs slot 0."""
         self.spec = spec
         self.graph_path = graph_path
         self.name = f"{spec.role} ({graph_path.name})"
@@ -527,15 +528,24 @@ class OrtEngine:
         if session is None:
             placement = check_placement(placement, spec, graph_path)
             session, placement = _load(graph_path, spec, max_seq, threads, self._spinning, placement)
+        if max_batch > 1 and not isinstance(session.get_inputs()[0].shape[0], str):
+            raise BundleError(f"{graph_path}: its graph carries one sequence per pass (exported before batched "
+                              "passes); re-export the bundle to batch")
         self.session, self.placement = session, placement
         self.device = str(placement.device)
         self.providers = session.get_providers()
+        self.max_batch = max_batch
         # Allocated once on the device and zero-filled: slots past the length hold finite values,
-        # so a padded window's masked slots add exact zeros.
-        shapes = [spec.kv_shape(i, 1, max_seq) for i in range(len(spec.kv_names))]
+        # so a padded window's masked slots add exact zeros. Slot b is the [Hkv, S, D] block at
+        # b * its size: a run of neighbouring slots is itself a buffer of the graph's shape.
+        shapes = [spec.kv_shape(i, max_batch, max_seq) for i in range(len(spec.kv_names))]
         self._kv_values = [_allocate(shape, spec.kv_dtype, placement.device) for shape in shapes]
         for shape, value in zip(shapes, self._kv_values):
             value.update_inplace(np.zeros(shape, dtype=spec.kv_dtype))
+        self._kv_dtype = np.dtype(spec.kv_dtype)
+        self._slot_bytes = [int(np.prod(shape[1:])) * self._kv_dtype.itemsize for shape in shapes]
+        # on the CPU, host views of the whole buffers [max_batch, Hkv, S, D] (writing them writes the buffers)
+        self.kv = [v.numpy() for v in self._kv_values] if placement.device.kind == "cpu" else None
         self._stages: dict[int, _Stage] = {}  # by T
         self._takes_rows = spec.logits_rows
         # uncaptured passes by (T, last row only): their binding, and the window its mask has
@@ -554,19 +564,32 @@ class OrtEngine:
             raise InputError(f"{self.name}: an EAGLE-3 bundle runs on ONNX Runtime's CPU provider (or --backend torch); "
                              f"not on {placement.device} yet")
         width = self.feature_outputs.get(AUX_HIDDEN)
-        self.features = np.zeros((max_seq, width), np.float32) if width else None
+        self.slot_features = np.zeros((max_batch, max_seq, width), np.float32) if width else None  # per slot
+        self.features = self.slot_features[0] if width else None  # [max_seq, width]: slot 0's, what `forward` writes
         self.outputs: dict[str, np.ndarray] = {}
-        self.states = RecurrentStates(spec, keep_states, self.name)
+        # one ring of recurrent states per slot (backends/recurrent.py); `states`: slot 0's
+        self.slot_states = [RecurrentStates(spec, keep_states, self.name if max_batch == 1 else f"{self.name} slot {i}")
+                            for i in range(max_batch)]
+        self.states = self.slot_states[0]
+        # batched passes (forward_batch): a binding per (first slot, B); logits and hidden-state rows
+        # [B, T, ...] grown on demand; recurrent states staged in buffers grown on demand
+        self._batch_bindings: dict[tuple[int, int], ort.IOBinding] = {}
+        self._batch_logits = np.zeros((max_batch, 1, spec.logits_width), np.float32)
+        self._batch_hidden = np.zeros((max_batch, 1, width or 1), np.float32)
+        self._staged: dict[str, np.ndarray] = {}
+        self.padding_floor = None  # its passes carry no padding lanes (the torch backend's batched passes do)
+        self.rows = 0  # rows computed by batched passes
         if self.states and placement.device.kind != "cpu":
             raise InputError(f"{self.name}: a model with linear-attention layers runs on ONNX Runtime's CPU provider; "
                              f"not on {placement.device} yet")
 
     @classmethod
     def from_bundle(cls, bundle, spec: ModelSpec, threads: int | None = None, device: "str | Device | None" = None,
-                    trt_ep: bool = False, capture: bool | None = None) -> "OrtEngine":
+                    trt_ep: bool = False, capture: bool | None = None, batch: int | None = None) -> "OrtEngine":
+        """`batch`: an engine for batched passes over that many KV slots (`forward_batch`)."""
         return cls(bundle.file(spec.graph), spec, bundle.max_seq, threads,
                    placement=Placement.for_bundle(bundle, device, trt_ep, capture),
-                   keep_states=kept_positions(bundle.max_draft))
+                   keep_states=kept_positions(bundle.max_draft), max_batch=batch or 1)
 
     def fork(self) -> "OrtEngine":
         """Another engine over the same weights with KV buffers and bindings of its own. ONNX
@@ -575,22 +598,29 @@ class OrtEngine:
         fork loads a session of its own."""
         return OrtEngine(self.graph_path, self.spec, self.max_seq, self._threads,
                          session=None if self.placement.capture else self.session, spinning=self._spinning,
-                         placement=self.placement, keep_states=self.states.keep)
+                         placement=self.placement, keep_states=self.states.keep, max_batch=self.max_batch)
 
-    def resumable(self, length: int) -> int:
-        """The longest prefix, at most `length` tokens, a pass may start after (a model with
-        recurrent states keeps them at recent positions only; K/V alone allow any)."""
-        return self.states.resumable(length) if self.states else length
+    def resumable(self, length: int, slot: int = 0) -> int:
+        """The longest prefix of `slot`, at most `length` tokens, a pass may start after (a model
+        with recurrent states keeps them at recent positions only; K/V alone allow any)."""
+        states = self.slot_states[slot]
+        return states.resumable(length) if states else length
+
+    @property
+    def kv_bytes_per_sequence(self) -> int:
+        """What one more sequence (one slot) adds: its K/V over every layer."""
+        return sum(self._slot_bytes)
 
     def kv_addresses(self) -> list[int]:
         return [v.data_ptr() for v in self._kv_values]
 
     @property
     def kv_arrays(self) -> list[np.ndarray]:
-        """Host views of the KV buffers (CPU only): writing them writes the buffers."""
+        """Host views of slot 0's KV buffers, [1, Hkv, S, D] each (CPU only): writing them
+        writes the buffers."""
         if self.placement.device.kind != "cpu":
             raise AttributeError(f"kv_arrays: the KV buffers live on {self.device}; read them with kv_values")
-        return [v.numpy() for v in self._kv_values]
+        return [buffer[:1] for buffer in self.kv]
 
     @property
     def kv_values(self) -> list[ort.OrtValue]:
@@ -657,20 +687,153 @@ class OrtEngine:
             self.outputs[name] = array[0, : 1 if last else t]
         return stage.read_logits(last)
 
-    def move_kv(self, source: np.ndarray, start: int) -> None:
-        """Copy the K/V at slots `source` [m] to slots start..start+m-1 in every buffer (a tree
-        round's accepted path into the slots a chain would have used). Sources are read before
-        anything is written, so the two ranges may overlap."""
-        for buffer in self.kv_arrays:
-            slots = buffer[0]  # [Hkv, S, D]
-            slots[:, start : start + source.shape[0]] = slots[:, source]
+    def move_kv(self, source: np.ndarray, start: int, slot: int = 0) -> None:
+        """In `slot`, copy the K/V at positions `source` [m] to start..start+m-1 in every buffer
+        (a tree round's accepted path into the positions a chain would have used). Sources are
+        read before anything is written, so the two ranges may overlap."""
+        for buffer in self.kv_arrays if slot == 0 else self.kv:
+            kv = buffer[slot]  # [Hkv, S, D] (buffer[slot, :, source] would put the indexed axis first)
+            kv[:, start : start + source.shape[0]] = kv[:, source]
+
+    # -- batched passes ----------------------------------------------------------------------
+    def forward_batch(self, tokens: np.ndarray, starts: np.ndarray, first: int = 0, last: bool = False,
+                      pad: bool = True, layouts: "list[TreeLayout | None] | None" = None) -> np.ndarray:
+        """tokens [B, T] written at slots first..first+B-1, sequence b at positions starts[b]..
+        starts[b]+T-1 -> logits [B, T, V] (`last`: [B, 1, V], each sequence's last row only).
+        Sequence b's rows see its own slot only (masked past its own length), so its logits
+        equal its logits alone, bit for bit (docs/design.md, "Batched passes"). The array is this
+        engine's buffer: valid until the next batched pass. (`pad`: unused here: no pass is
+        padded.) `layouts` (engines whose `trees` is True): sequence b's rows as a tree where
+        layouts[b] is not None (as `forward`'s `tree`). On the CPU."""
+        tokens = np.ascontiguousarray(tokens, dtype=np.int64)
+        starts = np.ascontiguousarray(starts, dtype=np.int64)
+        b, t = tokens.shape
+        if self.kv is None or self.feature_inputs:
+            raise InputError(f"{self.name}: batched passes run on the CPU, over a target or a draft model "
+                             "(an EAGLE-3 head runs one sequence a pass)")
+        if not (1 <= b and first + b <= self.max_batch) or starts.shape != (b,):
+            raise InputError(f"{self.name}: a pass of {b} sequences at slot {first} does not fit {self.max_batch} "
+                             f"slots (starts {starts.shape})")
+        for i in range(b):
+            check_pass(self.name, tokens[i], int(starts[i]), self.max_seq, self.vocab_size)
+        window = int(starts.max()) + t
+        mask = np.empty((b, 1, t, window), np.float32)
+        positions = starts[:, None] + np.arange(t, dtype=np.int64)
+        for i in range(b):
+            layout = layouts[i] if layouts is not None else None
+            if layout is None:
+                fill_mask(mask[i, 0], int(starts[i]), self.spec.sliding_window)
+            elif not self.trees:
+                raise InputError(f"{self.name}: this graph does not verify token trees")
+            else:
+                fill_tree_mask(mask[i, 0], int(starts[i]), layout.visible)
+                positions[i] = starts[i] + layout.offsets
+        rows = 1 if last else t
+        width = self.spec.logits_width
+        if self._batch_logits.size < b * rows * width:
+            self._batch_logits = np.zeros((self.max_batch, rows, width), np.float32)
+        logits = self._batch_logits.reshape(-1)[: b * rows * width].reshape(b, rows, width)
+        binding = self._batch_binding(first, b)
+        binding.bind_cpu_input("input_ids", tokens)
+        binding.bind_cpu_input("position_ids", positions)
+        binding.bind_cpu_input("write_indices", starts)
+        binding.bind_cpu_input("attention_mask", mask)
+        if self._takes_rows:
+            binding.bind_cpu_input(LOGITS_ROWS, np.arange(t - rows, t, dtype=np.int64))
+        binding.bind_output("logits", "cpu", 0, np.float32, [b, rows, width], logits.ctypes.data)
+        hidden = None
+        if self.slot_features is not None:
+            size = self.slot_features.shape[2]
+            if self._batch_hidden.size < b * t * size:
+                self._batch_hidden = np.zeros((self.max_batch, t, size), np.float32)
+            hidden = self._batch_hidden.reshape(-1)[: b * t * size].reshape(b, t, size)
+            binding.bind_output(AUX_HIDDEN, "cpu", 0, np.float32, [b, t, size], hidden.ctypes.data)
+        outputs = self._stage_states(binding, starts, first, t, rows) if self.states else None
+        self.runs += 1
+        try:
+            self.session.run_with_iobinding(binding)
+        except RuntimeError as e:
+            raise BundleError(f"{self.name}: ONNX Runtime failed a pass of {b}x{t} tokens ({_reason(e)})") from None
+        self.rows += b * t
+        if outputs is not None:  # each sequence's states after the returned rows, kept by position in its slot
+            for i in range(b):
+                self.slot_states[first + i].store(int(starts[i]) + t - rows + 1, [out[i] for out in outputs], rows)
+        if hidden is not None:  # each sequence's rows of the target's states, at their positions in its slot
+            for i in range(b):
+                at = int(starts[i])
+                self.slot_features[first + i, at : at + t] = hidden[i]
+        return logits
+
+    def _stage_states(self, binding: ort.IOBinding, starts: np.ndarray, first: int, t: int, rows: int
+                      ) -> list[np.ndarray]:
+        """Each sequence's recurrent state at its start, staged side by side as the pass's inputs;
+        its outputs bound to staging arrays [B, rows, ...] -> those arrays (read once the pass ran)."""
+        b = starts.shape[0]
+        sources = [self.slot_states[first + i].read(int(starts[i])) for i in range(b)]
+        outputs = []
+        for j, ((inp, out), shape) in enumerate(zip(self.spec.state_names, self.states.shapes)):
+            staged = self._staging(inp, (b, *shape))
+            np.concatenate([source[j] for source in sources], out=staged)
+            after = self._staging(out, (b, rows, *shape))
+            binding.bind_input(inp, "cpu", 0, np.float32, list(staged.shape), staged.ctypes.data)
+            binding.bind_output(out, "cpu", 0, np.float32, list(after.shape), after.ctypes.data)
+            outputs.append(after)
+        return outputs
+
+    def _staging(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
+        """A view of `shape` over the staging buffer of state input or output `name`, grown on
+        demand and kept (a verify pass's states are megabytes: not allocated afresh each pass)."""
+        need = int(np.prod(shape))
+        flat = self._staged.get(name)
+        if flat is None or flat.size < need:
+            flat = self._staged[name] = np.empty(need, np.float32)
+        return flat[:need].reshape(shape)
+
+    def copy(self, source: int, dest: int, start: int, end: int) -> None:
+        """Slot `dest`'s K/V (and hidden states) at positions start..end-1 made those of slot
+        `source` (a prompt another sequence has prefilled already)."""
+        for buffer in self.kv:
+            buffer[dest, :, start:end] = buffer[source, :, start:end]
+        if self.slot_features is not None:
+            self.slot_features[dest, start:end] = self.slot_features[source, start:end]
+        if self.states:  # the state at `end` (the caller asks resumable(end, source) first)
+            self.slot_states[dest].drop_after(start)
+            self.slot_states[dest].store(end, self.slot_states[source].state(end), 1)
+
+    def swap(self, a: int, b: int, length_a: int, length_b: int) -> None:
+        """Exchange the K/V of slots a and b: the first length_a positions of a's, length_b of b's."""
+        if a == b:
+            return
+        states = self.slot_states
+        states[a], states[b] = states[b], states[a]
+        self.states = states[0]
+        for buffer in self.kv:
+            keep = buffer[a, :, :length_a].copy()
+            buffer[a, :, :length_b] = buffer[b, :, :length_b]
+            buffer[b, :, :length_a] = keep
+        if self.slot_features is not None:  # the hidden states at the same positions move with them
+            keep = self.slot_features[a, :length_a].copy()
+            self.slot_features[a, :length_b] = self.slot_features[b, :length_b]
+            self.slot_features[b, :length_a] = keep
 
     # -- bindings --------------------------------------------------------------------------
+    def _bind_kv(self, binding: ort.IOBinding, first: int, b: int) -> ort.IOBinding:
+        """Bind slots first..first+B-1 of every KV buffer, by address, as [B, Hkv, S, D] in and out."""
+        device = self.placement.device
+        for i, ((inp, out), value) in enumerate(zip(self.spec.kv_names, self._kv_values)):
+            shape = [b, *self.spec.kv_shape(i, 1, self.max_seq)[1:]]
+            address = value.data_ptr() + first * self._slot_bytes[i]
+            binding.bind_input(inp, device.kind, device.index, self._kv_dtype, shape, address)
+            binding.bind_output(out, device.kind, device.index, self._kv_dtype, shape, address)
+        return binding
+
     def _kv_binding(self) -> ort.IOBinding:
-        binding = self.session.io_binding()
-        for (inp, out), value in zip(self.spec.kv_names, self._kv_values):
-            binding.bind_ortvalue_input(inp, value)
-            binding.bind_ortvalue_output(out, value)
+        return self._bind_kv(self.session.io_binding(), 0, 1)
+
+    def _batch_binding(self, first: int, b: int) -> ort.IOBinding:
+        binding = self._batch_bindings.get((first, b))
+        if binding is None:
+            binding = self._batch_bindings[(first, b)] = self._bind_kv(self.session.io_binding(), first, b)
         return binding
 
     def _rebind(self, stage: _Stage, window: int, last: bool) -> tuple[ort.IOBinding, ort.RunOptions | None]:

@@ -42,7 +42,7 @@ import torch
 from specdeploy.core.errors import InputError
 from specdeploy.core.choices import FLOAT_DTYPES
 from specdeploy.core.manifest import ModelSpec, kept_positions
-from specdeploy.core.graph_io import AUX_HIDDEN, DRAFT_HIDDEN_OUT, check_pass, window_length
+from specdeploy.core.graph_io import AUX_HIDDEN, DRAFT_HIDDEN_OUT, check_pass, fill_mask, fill_tree_mask, window_length
 
 from specdeploy.runtime.decoding.engine import Checked
 
@@ -140,9 +140,10 @@ class TorchEngine:
         min_window: int = 64,
         warmup: int = 2,
         keep_states: int = 16,
+        max_batch: int = 1,
     ):
         self._options = dict(capture=capture, buckets=buckets, capture_max_t=capture_max_t, min_window=min_window,
-                             warmup=warmup, keep_states=keep_states)
+                             warmup=warmup, keep_states=keep_states, max_batch=max_batch)
         recurrent = bool(spec.state_names)
         # draft_chain / verify_chain: a round with one host synchronisation (not over recurrent
         # states: a pass reads the state kept at its start, which the host picks)
@@ -186,16 +187,26 @@ class TorchEngine:
         self.states = RecurrentStates(spec, keep_states, self.name,
                                       lambda shape: torch.zeros(shape, dtype=torch.float32, device=self.device))
         kv_dtype = getattr(torch, spec.kv_dtype)
-        # Allocated once, never moved: rollback is the caller moving its length back.
-        self.kv = [torch.zeros(spec.kv_shape(i, 1, max_seq), dtype=kv_dtype, device=self.device)
+        # Allocated once, never moved: rollback is the caller moving its length back. Slot b is
+        # [b] of each [max_batch, Hkv, S, D] buffer: a run of neighbouring slots is a view the
+        # module writes in place; `forward` runs slot 0.
+        self.max_batch = max_batch
+        self.kv = [torch.zeros(spec.kv_shape(i, max_batch, max_seq), dtype=kv_dtype, device=self.device)
                    for i in range(len(spec.kv_names))]
+        self._kv0 = [buffer[:1] for buffer in self.kv]
         self._arange = torch.arange(max_seq, device=self.device)
         # [write position, token ids...]: the only data a pass sends up.
         self._io = torch.zeros(max_seq + 1, dtype=torch.int64, device=self.device)
         self._stage = torch.zeros(max_seq + 1, dtype=torch.int64, pin_memory=cuda) if cuda else self._io
         self._stage_np = self._stage.numpy()
+        # batched passes: per slot [write index, token ids...], staged the same way
+        self._io_b = torch.zeros((max_batch, max_seq + 1), dtype=torch.int64, device=self.device)
+        self._stage_b = torch.zeros_like(self._io_b, device="cpu", pin_memory=cuda) if cuda else self._io_b
+        self._stage_b_np = self._stage_b.numpy()
+        self._host_b: dict[tuple[int, int], torch.Tensor] = {}
         self._host_logits: dict[int, torch.Tensor] = {}  # pinned [T, V] per distinct T
-        self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        # captured passes: (T, window) for one sequence, (first slot, lanes, T, window) for a batch
+        self._graphs: dict[tuple[int, ...], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._pool = torch.cuda.graph_pool_handle() if self.capture else None
         self._events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) if cuda else None
         # The fused greedy round: draft tokens produced on the device, and what comes back.
@@ -207,13 +218,28 @@ class TorchEngine:
         self._result_host = torch.zeros(2 * max_seq + 1, dtype=torch.int64, pin_memory=cuda) if cuda else self._result
 
     @classmethod
-    def from_bundle(cls, bundle, spec: ModelSpec, device=None, threads: int | None = None, **options) -> "TorchEngine":
+    def from_bundle(cls, bundle, spec: ModelSpec, device=None, threads: int | None = None, batch: int | None = None,
+                    **options) -> "TorchEngine":
         """Rebuild the module the export stage exported, from the source model the manifest
-        names (the bundle's ONNX file is not read). Needs the `export` extra."""
+        names (the bundle's ONNX file is not read). Needs the `export` extra. `batch`: an engine
+        for batched passes over that many KV slots (`forward_batch`; runtime/decoding/batch.py)."""
         from specdeploy.export import rebuild_graph
 
         if threads:
             torch.set_num_threads(threads)  # process-wide: torch has no per-module setting
+        if batch is not None:
+            if spec.dtype in ("int8", "int4"):
+                raise InputError(
+                    f"{bundle.path}: an {spec.dtype} {spec.role} graph on --backend torch: its rows are not bit-identical "
+                    "from one pass shape to another (docs/backends.md), so a request's output would depend on the batch; "
+                    "use --backend ort, or a float bundle")
+            if spec.feature_inputs or spec.feature_outputs:
+                raise InputError(f"{spec.role}: an EAGLE-3 bundle batches on --backend ort (the torch backend's batched "
+                                 "passes return no hidden states yet)")
+            if spec.state_names:
+                raise InputError(f"{spec.role}: a model with linear-attention layers batches on --backend ort (the "
+                                 "torch backend's batched passes keep no recurrent states yet)")
+            options["max_batch"] = batch
         if spec.role == "target" and spec.dtype in ("int8", "int4") and bundle.draft.kind != "none":
             raise InputError(
                 f"{bundle.path}: an {spec.dtype} target on --backend torch: its verify rows are not bit-identical to single "
@@ -246,16 +272,22 @@ class TorchEngine:
     def kv_addresses(self) -> list[int]:
         return [t.data_ptr() for t in self.kv]
 
-    def resumable(self, length: int) -> int:
-        """K/V only: any prefix; with recurrent states, a prefix whose state is kept (see Engine.resumable)."""
+    def resumable(self, length: int, slot: int = 0) -> int:
+        """K/V only: any prefix; with recurrent states (one sequence), a prefix whose state is
+        kept (see Engine.resumable)."""
         return self.states.resumable(length) if self.states else length
 
     @property
     def kv_arrays(self) -> list[np.ndarray]:
-        """Host views of the KV buffers (CPU only): writing them writes the buffers."""
+        """Host views of slot 0's KV buffers, [1, Hkv, S, D] each (CPU only): writing them
+        writes the buffers."""
         if self.device.type != "cpu":
             raise AttributeError("kv_arrays: the KV buffers live on the device; use .kv")
-        return [t.numpy() for t in self.kv]
+        return [t.numpy() for t in self._kv0]
+
+    @property
+    def kv_bytes_per_sequence(self) -> int:
+        return sum(buffer[0].numel() * buffer.element_size() for buffer in self.kv)
 
     def forward(self, token_ids: np.ndarray, start: int, tree=None, last: bool = False,
                 features: "dict[str, np.ndarray | None] | None" = None) -> np.ndarray:
@@ -431,13 +463,13 @@ class TorchEngine:
         mask = torch.where(visible, 0.0, float("-inf"))  # [T, Lb] float32
         ids = self._io[1 : 1 + t][None]
         if self._feature_in:  # an EAGLE-3 head: every row's logits and state, from its inputs
-            out = self.graph(ids, positions[None], start, mask[None, None], self.kv, self._arange[:t],
+            out = self.graph(ids, positions[None], start, mask[None, None], self._kv0, self._arange[:t],
                              *(buffer[:, :t] for buffer in self._feature_in.values()))
             self._state = out[-1]
             return out[0]
         if self.states:  # eager only: the host knows the write position
             return self._recurrent_pass(ids, positions, start, mask)
-        out = self.graph(ids, positions[None], start, mask[None, None], self.kv)
+        out = self.graph(ids, positions[None], start, mask[None, None], self._kv0)
         if self._features is not None:  # a target for an EAGLE-3 head: its states, at their positions
             self._features.index_copy_(0, positions, out[-1][0])
         return out[0]
@@ -450,7 +482,7 @@ class TorchEngine:
         at, t = int(self._stage_np[0]), ids.shape[1]
         rows = self._arange[t - 1 : t] if self._last else self._arange[:t]
         before = self.states.read(at)
-        out = self.graph(ids, positions[None], start, mask[None, None], self.kv, rows, list(before))
+        out = self.graph(ids, positions[None], start, mask[None, None], self._kv0, rows, list(before))
         n = len(self.kv)
         self.states.store(at + t - rows.shape[0] + 1, [state[0] for state in out[1 + n : 1 + n + len(before)]],
                           rows.shape[0])
@@ -468,40 +500,169 @@ class TorchEngine:
         mask[:, : window - t] = 0.0
         own = mask[:, window - t :]
         own[torch.as_tensor(tree.visible, device=self.device)] = 0.0
-        return self.graph(self._io[1 : 1 + t][None], positions[None], start, mask[None, None], self.kv)[0]
+        return self.graph(self._io[1 : 1 + t][None], positions[None], start, mask[None, None], self._kv0)[0]
 
-    def move_kv(self, source: np.ndarray, start: int) -> None:
-        """Copy the K/V at slots `source` [m] to slots start..start+m-1, on the device (the
-        sources are gathered before anything is written)."""
+    def move_kv(self, source: np.ndarray, start: int, slot: int = 0) -> None:
+        """In `slot`, copy the K/V at positions `source` [m] to start..start+m-1, on the device
+        (the sources are gathered before anything is written)."""
         index = torch.as_tensor(source, device=self.device)
         with torch.no_grad():
             for buffer in self.kv:
-                buffer[0, :, start : start + index.shape[0]] = buffer[0].index_select(1, index)
+                buffer[slot, :, start : start + index.shape[0]] = buffer[slot].index_select(1, index)
 
     def _run(self, t: int, window: int) -> torch.Tensor:
-        key = (t, window)
+        return self._replay((t, window), self._pass, t <= self.capture_max_t)
+
+    def _replay(self, key: tuple[int, ...], run, capturable: bool) -> torch.Tensor:
+        """`run(*key)`: replayed where this shape was captured, captured on its first pass where
+        it may be (a CUDA device, `capturable`), else eager."""
         captured = self._graphs.get(key)
-        if captured is None and self.capture and t <= self.capture_max_t:
-            captured = self._capture(key)
+        if captured is None and self.capture and capturable:
+            captured = self._capture(key, run)
         if captured is None:
             self.stats.eager += 1
-            return self._pass(t, window)
+            return run(*key)
         graph, logits = captured
         graph.replay()
         self.stats.replays += 1
         return logits
 
-    def _capture(self, key: tuple[int, int]):
+    def _capture(self, key: tuple[int, ...], run):
         """capture_pass over this shape; a capture that fails leaves the engine eager for good."""
         t0 = time.perf_counter()
+        shape = key if len(key) == 2 else key[1:]  # (T, window), or a batch's (lanes, T, window)
         try:
-            graph, logits = capture_pass(lambda: self._pass(*key), self.device, self._pool, self.warmup)
+            graph, logits = capture_pass(lambda: run(*key), self.device, self._pool, self.warmup)
         except RuntimeError as e:  # fall back to eager for good, and say why
             self.capture = False
             self.stats.capture = False
-            self.stats.capture_error = f"T={key[0]}, window {key[1]}: {str(e).splitlines()[0] if str(e) else type(e).__name__}"
+            what = ", ".join(f"{n}={v}" for n, v in zip(("B", "T", "window")[3 - len(shape):], shape))
+            self.stats.capture_error = f"{what}: {str(e).splitlines()[0] if str(e) else type(e).__name__}"
             return None
         self._graphs[key] = (graph, logits)
-        self.stats.graphs.append(key)
+        self.stats.graphs.append(shape)
         self.stats.capture_seconds += time.perf_counter() - t0
         return self._graphs[key]
+
+    # -- batched passes ----------------------------------------------------------------------
+    # Captured batched passes (a GPU; or `buckets=True` on a CPU, which runs the same bookkeeping
+    # eager, how the suite checks it): B is padded to a power of two (1, 2, 4, 8, ...) and the
+    # window to a power of two of at least `min_window` (core/graph_io.py window_length), so a
+    # handful of graphs serve every batch. A padding lane runs in the next free slot with its rows
+    # written at the end of the buffer (slots S - T..S - 1): every sequence writes a position
+    # before it reads it, and masks every slot past its own length, so nothing reads them; a free
+    # slot's prompt cache is trimmed to keep clear of them (`padding_floor`). Its logits are never
+    # read. The masks are built on the device from the write indices, as for one sequence.
+    @property
+    def padding_floor(self) -> int:
+        """The first slot position a padding lane may write (S - the widest captured pass)."""
+        return self.max_seq - self.capture_max_t
+
+    def forward_batch(self, tokens: np.ndarray, starts: np.ndarray, first: int = 0, last: bool = False,
+                      pad: bool = True, layouts: "list | None" = None) -> np.ndarray:
+        """As OrtEngine.forward_batch: tokens [B, T] at slots first.., sequence b written at
+        starts[b] -> logits [B, T, V] (`last`: [B, 1, V]) on the host. `pad`: the slots after
+        the pass's may take padding lanes (no K/V of theirs at or past `padding_floor`).
+        `layouts` (where `trees` is True): sequence b's rows as a tree where layouts[b] is not
+        None; such a pass runs eager over the exact window, its mask made on the host."""
+        tokens = np.asarray(tokens, dtype=np.int64)
+        starts = np.asarray(starts, dtype=np.int64)
+        b, t = tokens.shape
+        if not (1 <= b and first + b <= self.max_batch) or starts.shape != (b,):
+            raise InputError(f"{self.name}: a pass of {b} sequences at slot {first} does not fit {self.max_batch} slots")
+        for i in range(b):
+            check_pass(self.name, tokens[i], int(starts[i]), self.max_seq, self.vocab_size)
+        tree = layouts is not None and any(x is not None for x in layouts)
+        if tree and not self.trees:
+            raise InputError(f"{self.name}: this graph does not verify token trees")
+        fixed = self.buckets and t <= self.capture_max_t and first == 0 and not tree
+        lanes = batch_bucket(b, self.max_batch) if fixed and pad else b
+        if first + lanes > self.max_batch:
+            lanes, fixed = b, False
+        window = window_length(int(starts.max()), t, self.min_window if fixed else None, self.max_seq)
+        stage = self._stage_b_np
+        stage[first : first + b, 0] = starts
+        stage[first : first + b, 1 : 1 + t] = tokens
+        if lanes > b:  # padding lanes: token 0, written at the end of the buffer
+            stage[first + b : first + lanes, 0] = self.max_seq - t
+            stage[first + b : first + lanes, 1 : 1 + t] = 0
+        self.runs += 1
+        self.stats.passes += 1
+        with torch.no_grad():
+            if self.device.type != "cpu":
+                self._io_b[first : first + lanes, : 1 + t].copy_(self._stage_b[first : first + lanes, : 1 + t],
+                                                                 non_blocking=True)
+            if tree:
+                self.stats.eager += 1
+                logits = self._batch_tree_pass(first, starts, t, window, layouts)
+            else:
+                logits = self._replay((first, lanes, t, window), self._batch_pass, first == 0 and t <= self.capture_max_t)
+            rows = logits[:b, -1:] if last else logits[:b]
+            if self.device.type == "cpu":
+                self.stats.host_syncs += 1
+                return rows.numpy()
+            host = self._host_b.get(tuple(rows.shape[:2]))
+            if host is None:
+                host = self._host_b[tuple(rows.shape[:2])] = torch.empty(tuple(rows.shape), dtype=torch.float32,
+                                                                        pin_memory=True)
+            host.copy_(rows, non_blocking=True)
+            torch.cuda.current_stream(self.device).synchronize()  # the pass's one host sync
+            self.stats.host_syncs += 1
+            return host.numpy()
+
+    def _batch_pass(self, first: int, lanes: int, t: int, window: int) -> torch.Tensor:
+        """The module over slots first..first+lanes-1: reads `_io_b`, returns logits [lanes, T, V];
+        no host synchronisation (capturable)."""
+        io = self._io_b[first : first + lanes]
+        starts = io[:, 0]  # [B]
+        positions = starts[:, None] + self._arange[:t]  # [B, T]
+        cols = self._arange[:window][None, None]  # [1, 1, L]
+        rows = positions[:, :, None]  # [B, T, 1]
+        visible = cols <= rows
+        if self.spec.sliding_window is not None:
+            visible &= cols > rows - self.spec.sliding_window
+        mask = torch.where(visible, 0.0, float("-inf"))[:, None]  # [B, 1, T, L]
+        kv = [buffer[first : first + lanes] for buffer in self.kv]
+        return self.graph(io[:, 1 : 1 + t], positions, starts, mask, kv)[0]
+
+    def _batch_tree_pass(self, first: int, starts: np.ndarray, t: int, window: int, layouts) -> torch.Tensor:
+        """A batched pass with tree lanes, eager: the mask and positions made on the host (as
+        OrtEngine.forward_batch makes them), each tree lane's rows at start + their depth."""
+        b = starts.shape[0]
+        mask = np.empty((b, 1, t, window), np.float32)
+        positions = starts[:, None] + np.arange(t, dtype=np.int64)
+        for i, layout in enumerate(layouts):
+            if layout is None:
+                fill_mask(mask[i, 0], int(starts[i]), self.spec.sliding_window)
+            else:
+                fill_tree_mask(mask[i, 0], int(starts[i]), layout.visible)
+                positions[i] = starts[i] + layout.offsets
+        io = self._io_b[first : first + b]
+        kv = [buffer[first : first + b] for buffer in self.kv]
+        return self.graph(io[:, 1 : 1 + t], torch.from_numpy(positions).to(self.device), io[:, 0],
+                          torch.from_numpy(mask).to(self.device), kv)[0]
+
+    def copy(self, source: int, dest: int, start: int, end: int) -> None:
+        """Slot `dest`'s K/V at positions start..end-1 made those of slot `source`, on the device."""
+        with torch.no_grad():
+            for buffer in self.kv:
+                buffer[dest, :, start:end] = buffer[source, :, start:end]
+
+    def swap(self, a: int, b: int, length_a: int, length_b: int) -> None:
+        """Exchange the K/V of slots a and b (their first length_a / length_b positions), on the device."""
+        if a == b:
+            return
+        with torch.no_grad():
+            for buffer in self.kv:
+                keep = buffer[a, :, :length_a].clone()
+                buffer[a, :, :length_b] = buffer[b, :, :length_b]
+                buffer[b, :, :length_a] = keep
+
+
+def batch_bucket(b: int, max_batch: int) -> int:
+    """The captured batch size a pass of b sequences runs at.
+
+    >>> [batch_bucket(b, 8) for b in (1, 2, 3, 5, 8)]
+    [1, 2, 4, 8, 8]
+    """
+    return min(max_batch, 1 << (b - 1).bit_length())

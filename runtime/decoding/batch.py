@@ -8,7 +8,7 @@ cancelled or closed; its slot is free for the next round. Each lane keeps its ow
 parameters, seed, stop strings, draft length and drafter state, and its output is the one
 `Session` gives for the same request alone, token for token:
 
-- its rows of a pass are computed from its own slot only (runtime/backends/ort_batch.py);
+- its rows of a pass are computed from its own slot only (runtime/backends/ort.py, `forward_batch`);
 - a lane's rows of a verify pass are its own round's, the rest of the pass's T rows are
   padding: after its rows, or where the buffer has no room after them, before them,
   recomputing tokens it already holds (the same K/V, written again where they were);
@@ -551,7 +551,7 @@ class BatchSession(Prompts):
                         continue
                     m = min(held[1], lane.n - 1)
                     differ = np.flatnonzero(held[0][:m] != lane.ids[:m])
-                    same = self.target.resumable(slot, int(differ[0]) if differ.size else m)
+                    same = self.target.resumable(int(differ[0]) if differ.size else m, slot)
                     if same > reuse:
                         best, reuse = slot, same
             if best != at:
@@ -591,7 +591,7 @@ class BatchSession(Prompts):
         while not lane.ready:
             at = lane.prefilled
             upto = min(at + chunk, lane.n - 1)
-            self.target.forward(lane.ids[None, at:upto], np.array([at]), first=lane.slot, last=True)
+            self.target.forward_batch(lane.ids[None, at:upto], np.array([at]), first=lane.slot, last=True)
             lane.prefilled = upto
             if not whole:
                 break
@@ -616,7 +616,7 @@ class BatchSession(Prompts):
             if m <= upto:
                 continue
             differ = np.flatnonzero(other.ids[:m] != lane.ids[:m])
-            same = self.target.resumable(other.slot, int(differ[0]) if differ.size else m)
+            same = self.target.resumable(int(differ[0]) if differ.size else m, other.slot)
             if same > upto:
                 best, upto = other, same
         if best is not None:
@@ -804,7 +804,7 @@ class BatchSession(Prompts):
                 layouts[i] = pass_layout(lane.tree, t, offsets[-1])
         trees = {"layouts": layouts} if any(x is not None for x in layouts) else {}
         t0 = time.perf_counter()
-        logits = self.target.forward(rows, starts, pad=self._may_pad(b), **trees)
+        logits = self.target.forward_batch(rows, starts, pad=self._may_pad(b), **trees)
         seconds = time.perf_counter() - t0
         self.rounds += 1
         drafted, accepted = False, 0
@@ -854,7 +854,7 @@ class BatchSession(Prompts):
         return room
 
     def _may_pad(self, b: int) -> bool:
-        """Whether the slots after the first b may take an engine's padding lanes (TorchBatchEngine):
+        """Whether the slots after the first b may take an engine's padding lanes (the torch backend's):
         none holds K/V at or past the engine's padding floor."""
         floor = self.target.padding_floor
         if floor is None:
@@ -871,7 +871,7 @@ class BatchSession(Prompts):
         if lane.tree is not None:  # a tree, or a chain its own policy sized: judged as Session's round judges it
             path, token = lane.judge.tree(lane.ids[: lane.end], lane.tree, logits, tokens)
             if path != list(range(len(path))):  # off the main chain: the path's K/V into a chain's slots
-                self.target.move_kv(lane.slot, lane.end + np.asarray(path, dtype=np.int64), lane.end)
+                self.target.move_kv(lane.end + np.asarray(path, dtype=np.int64), lane.end, slot=lane.slot)
             trees = lane.trees
             record = Round(lane.tree.size, len(path), seconds, chosen=None if trees else lane.tree.size, tree=trees,
                            path=tuple(path), scores=lane.tree.probs)

@@ -55,7 +55,7 @@ class BatchDraft:
         state the slot keeps."""
         m = min(int(self.length[slot]), ids.shape[0] - 1)
         same = self.fed[slot, :m] == ids[:m]
-        self.length[slot] = self.engine.resumable(slot, m if same.all() else int(same.argmin()))
+        self.length[slot] = self.engine.resumable(m if same.all() else int(same.argmin()), slot)
 
     def _feed(self, slot: int, tokens: np.ndarray) -> None:
         at = int(self.length[slot])
@@ -150,7 +150,7 @@ class BatchDraft:
         same = bool((sizes == t).all())
         if not same and self.engine.spec.state_names:  # a slot's state after its own last token, not the padding's
             return [self._alone(i, f) for i, f in zip(slots, feeds)]
-        logits = self.engine.forward(tokens, starts, first=slots[0], last=same, pad=False)
+        logits = self.engine.forward_batch(tokens, starts, first=slots[0], last=same, pad=False)
         # copies: the engine's logits buffer is the next pass's output
         return [logits[j, -1 if same else n - 1].copy() for j, n in enumerate(sizes)]
 
@@ -164,7 +164,7 @@ class BatchDraft:
         other sequences). So a sampled lane's passes stay its own, as its own engine's were."""
         start = np.array([self.length[slot]], dtype=np.int64)
         # a copy: the engine's logits buffer is the next pass's output
-        return self.engine.forward(tokens[None], start, first=slot, last=True, pad=False)[0, -1].copy()
+        return self.engine.forward_batch(tokens[None], start, first=slot, last=True, pad=False)[0, -1].copy()
 
 
 class SlotStates:
@@ -178,7 +178,7 @@ class SlotStates:
 
     @property
     def features(self) -> np.ndarray:
-        return self.target.features[self.slot]
+        return self.target.slot_features[self.slot]
 
     @property
     def kv_arrays(self) -> list[np.ndarray]:
