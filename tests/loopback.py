@@ -92,15 +92,17 @@ def sse_text(response, chat=False):
 def slow_down(pool, seconds: float) -> None:
     """Every target pass of every pool session sleeps `seconds` first: with draft_len 0 a
     generation of n tokens then lasts at least n * seconds."""
-    targets = [session.target for session in pool.sessions] if hasattr(pool, "sessions") else [pool.target]
-    for target in targets:  # a SessionPool's sessions, or a BatchSession's one batched engine
-        forward = target.forward
+    pooled = hasattr(pool, "sessions")
+    targets = [session.target for session in pool.sessions] if pooled else [pool.target]
+    name = "forward" if pooled else "forward_batch"  # a SessionPool's sessions, or a BatchSession's batched passes
+    for target in targets:
+        forward = getattr(target, name)
 
         def slowed(*args, _forward=forward, **kwargs):
             time.sleep(seconds)
             return _forward(*args, **kwargs)
 
-        target.forward = slowed
+        setattr(target, name, slowed)
 
 
 SLOW_SERVE = """
