@@ -177,8 +177,8 @@ def test_settled_on_plain_steps_the_rates_are_evaluated_once_in_a_while(monkeypa
     rounds or after a probe: the same rounds as a policy that evaluates every round (the
     probes keep their schedule), at a fraction of the host work."""
     calls = []
-    real = DraftLength.rates
-    monkeypatch.setattr(DraftLength, "rates", lambda self: calls.append(self.SETTLED) or real(self))
+    real = DraftLength.widths  # the evaluation: each width's tokens and seconds
+    monkeypatch.setattr(DraftLength, "widths", lambda self: calls.append(self.SETTLED) or real(self))
     settled = _never_holds(DraftLength(8, cost_ratio=0.05), 400)
     settled_calls = len(calls)
     every = DraftLength(8, cost_ratio=0.05)

@@ -1,10 +1,46 @@
 """The policies of `auto`: how many tokens to draft each round (DraftLength), how many tree
-nodes or looked-up tokens to verify (TreeSize), from costs measured in seconds (PassCost)."""
+nodes or looked-up tokens to verify (TreeSize), how wide a batch's verify pass is and how far
+its model draft runs (BatchPolicy), from costs measured in seconds (PassCost).
+
+Each prices the widths it may choose (expected tokens committed, seconds the round costs) and
+`best_width` picks one: the most tokens per second, and a plain step unless a wider round beats
+it by PAYS. Where plain steps won, each rests on them for SETTLED rounds before evaluating again,
+with a probe now and then (Probes)."""
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from specdeploy.runtime.decoding.stats import Round
+
+if TYPE_CHECKING:
+    from specdeploy.runtime.decoding.drafters import Proposal
+
+# A wider round must promise this many times plain steps' tokens per second: the estimates are
+# noisy, and a gain the model barely predicts is one the round's own overhead can take back.
+PAYS = 1.03
+# Plain rounds per evaluation of the rates once they chose plain steps: an evaluation is a few
+# dozen small numpy calls on caches the pass before just emptied (about 2% of a SmolLM2 int4
+# step), and only a probe's verdict changes the estimates much.
+SETTLED = 8
+
+
+def best_width(tokens: np.ndarray, seconds: np.ndarray, plain: bool = True) -> int:
+    """The index of the width with the most expected tokens per second, given each width's
+    expected tokens and seconds; where index 0 is a plain step (`plain`), 0 unless the best
+    beats it by PAYS.
+
+    >>> best_width(np.array([1.0, 1.9, 2.5]), np.array([1.0, 1.2, 2.0]))
+    1
+    >>> best_width(np.array([1.0, 1.2]), np.array([1.0, 1.18]))  # 1.7% faster: not enough
+    0
+    """
+    rates = tokens / np.maximum(seconds, 1e-9)  # (a fit from wide passes alone may put v1 at 0)
+    best = int(rates.argmax())
+    if plain and best > 0 and rates[best] < PAYS * rates[0]:
+        return 0
+    return best
 
 
 class PassCost:
@@ -205,12 +241,18 @@ class DraftLength:
             step = first = self.cost_ratio * float(verify[0])
         return float(first), float(step), verify
 
-    def rates(self) -> np.ndarray:
-        """Expected tokens per second of each k = 0..max_k relative to plain steps (k = 0: 1)."""
+    def widths(self) -> tuple[np.ndarray, np.ndarray]:
+        """Each k = 0..max_k's expected tokens committed and round seconds (relative to a
+        target pass until measured)."""
         first, step, verify = self.costs()
         k = np.arange(1, self.max_k + 1)
-        tokens = 1.0 + np.cumsum(np.cumprod(self.held()))
-        return np.concatenate([[1.0], tokens * verify[0] / (first + (k - 1) * step + verify[1:])])
+        tokens = np.concatenate([[1.0], 1.0 + np.cumsum(np.cumprod(self.held()))])
+        return tokens, np.concatenate([verify[:1], first + (k - 1) * step + verify[1:]])
+
+    def rates(self) -> np.ndarray:
+        """Expected tokens per second of each k = 0..max_k relative to plain steps (k = 0: 1)."""
+        tokens, seconds = self.widths()
+        return tokens * seconds[0] / seconds
 
     def choose(self) -> int:
         if self.fixed is not None:
@@ -222,22 +264,15 @@ class DraftLength:
             self._plain_left -= 1
             best_k = 0
         else:
-            rates = self.rates()
-            # Plain steps unless some k promises more than PAYS: the estimates are noisy, and a
-            # gain the model barely predicts is one the round's own overhead can take back.
-            best_k = int(rates.argmax())
-            if rates[best_k] < self.PAYS:
-                best_k = 0
+            best_k = best_width(*self.widths())
+            if best_k == 0:
                 self._plain_left = self.SETTLED - 1
         if best_k == 0 and self.probes.due():
             return 1  # drafting does not pay so far: probe now and then in case the text changed
         return best_k
 
-    PAYS = 1.03
-    # Plain rounds per evaluation of the rates once they chose plain steps: an evaluation is a
-    # few dozen small numpy calls on caches the pass before just emptied (about 2% of a SmolLM2
-    # int4 step), and only a probe's verdict changes the estimates much.
-    SETTLED = 8
+    PAYS = PAYS
+    SETTLED = SETTLED
 
     def update(self, round: Round) -> None:
         """After each round: `proposed` draft tokens (0: the pass was a plain step at T = 1),
@@ -297,7 +332,7 @@ class TreeSize:
     token r+1, and its prior is the first token's measured rate to the power r+1.
     """
 
-    PAYS = DraftLength.PAYS
+    PAYS = PAYS
     PRIOR = 1.0  # rounds the drafter's score counts for, per rank, before any is measured
 
     def __init__(self, max_nodes: int, fixed: int | None = None, decay: float = 0.9, measure: bool = True,
@@ -359,13 +394,13 @@ class TreeSize:
         if size == 0:
             return 0
         n = min(size, self.max_nodes)
-        tokens = 1.0 + np.cumsum(self.estimates(probs, n))  # N = 1..n
+        tokens = np.concatenate([[1.0], 1.0 + np.cumsum(self.estimates(probs, n))])  # N = 0..n
         verify = self.passes.seconds(np.arange(1, n + 2))  # relative until measured (never under sampling)
-        rates = tokens * verify[0] / (verify[1:] + self.lookup)  # lookup: measured with the passes, else 0
-        best = int(rates.argmax())
-        if rates[best] < self.PAYS:
+        seconds = np.concatenate([verify[:1], verify[1:] + self.lookup])  # lookup: measured with the passes, else 0
+        best = best_width(tokens, seconds)
+        if best == 0:
             return 1 if self.probes.due() else 0
-        return best + 1
+        return best
 
     def update(self, round: Round) -> None:
         """After each round: the verified tree's size (`proposed`; 0: a plain step at T = 1) and
@@ -384,3 +419,135 @@ class TreeSize:
             return
         self.passes.add(nodes + 1, round.verify_seconds)
         self.lookup = d * self.lookup + (1 - d) * round.draft_seconds
+
+
+class BatchPolicy:
+    """How wide the batch's verify pass is: T = 1 (plain steps) or 1 + the drafts verified.
+
+    For the lanes whose draft length is the runtime's to choose (greedy, `auto`), a pass of T
+    tokens commits, for lane b, 1 + the sum over its first min(chain_b, T - 1) looked-up tokens
+    of the chance each holds (measured per lane, per rank: TreeSize.estimates). It costs
+    v_B(T), fitted over the passes measured at this batch size B (PassCost): a wide pass is
+    nearly free at B = 1 on memory-bound hardware, and B times the rows at B = 8. The policy
+    takes the T with the most tokens per second, and plain steps unless that beats them by
+    PAYS, with a probe of T = 2 now and then (Probes). Lanes with a pinned draft length, and
+    sampled lanes, set the least T (their rounds are their own); the policy may widen it.
+    """
+
+    PAYS = PAYS
+    PRIOR_SLOPE = 0.05  # the extra cost of a token per lane, relative to a plain pass, before any is measured
+    # Plain rounds at a batch size before the rates are evaluated again, once they chose plain
+    # steps there: those rounds look nothing up (a lookup and an estimate per lane is host work
+    # every round of a batch that has settled on plain steps would pay for nothing).
+    SETTLED = SETTLED
+
+    def __init__(self, max_draft: int):
+        self.max_draft = max_draft
+        self.costs: dict[int, PassCost] = {}
+        self.probes = Probes()
+        self._resting: dict[int, int] = {}  # batch size -> plain rounds left before the next evaluation
+        self._probe = False  # the round being planned is a probe
+        self.probing = False  # choose_k's k is a probe: one lane drafts it
+        # a draft graph's batched passes, by batch size (decayed means, seconds): a step (T = 1)
+        # and the first pass of a round (catching up on the tokens the last round committed)
+        self.step: dict[int, float] = {}
+        self.first: dict[int, float] = {}
+
+    def looks(self, lanes: int) -> bool:
+        """Whether this round looks up the chains of the lanes the policy drafts for: not while
+        it rests on plain steps at this batch size, except for a probe now and then."""
+        left = self._resting.get(lanes, 0)
+        if left <= 0:
+            return True
+        self._resting[lanes] = left - 1
+        self._probe = self.probes.due()
+        return self._probe
+
+    def cost(self, lanes: int) -> PassCost:
+        c = self.costs.get(lanes)
+        if c is None:
+            c = self.costs[lanes] = PassCost(prior_slope=self.PRIOR_SLOPE * lanes, max_tokens=self.max_draft + 1)
+        return c
+
+    def choose(self, lanes: int, least: int, chains: list[tuple[int, np.ndarray]]) -> int:
+        """The pass's T: `least` the lanes that choose for themselves need; `chains` the (length,
+        per-rank acceptance) of each lane the policy drafts for."""
+        longest = max((n for n, _ in chains), default=0)
+        probe, self._probe = self._probe, False
+        if longest == 0 or least > longest:
+            return least
+        if probe:
+            return max(least, 2)
+        cost = self.cost(lanes)
+        if not cost.measured:
+            return least  # a pass at the least T first: the cost's fit starts from it
+        ts = np.arange(least, longest + 2)
+        tokens = np.zeros(ts.shape[0])
+        for n, holds in chains:
+            gained = np.concatenate([[0.0], np.cumsum(holds)])
+            tokens += 1.0 + gained[np.minimum(ts - 1, n)]
+        best = best_width(tokens, cost.seconds(ts), plain=least == 1)
+        if least == 1 and best == 0:
+            self._resting[lanes] = self.SETTLED - 1
+            return 2 if self.probes.due() else 1
+        return int(ts[best])
+
+    def choose_k(self, lanes: int, least: int, holds: list[np.ndarray], prior: float) -> int:
+        """A model draft's k for the lanes the policy drafts for (each runs k draft passes of its
+        own before the verify pass: the first as measured at this batch size, each later one a
+        step; before any is measured, a step costs `prior` seconds): `holds` each lane's chance
+        that draft position 1..max holds given the ones before (DraftLength.held); `least` the k
+        the lanes that choose for themselves draft anyway (their passes are spent either way).
+        Plain steps (k = 0) unless a k beats them by PAYS."""
+        step = self.step.get(lanes, prior)
+        first = self.first.get(lanes, 1.2 * step)
+        probe, self._probe = self._probe, False
+        self.probing = False
+        cost = self.cost(lanes)
+        if not holds or not cost.measured:
+            return least
+        if probe:  # one lane drafts one token (catching up costs a draft pass per lane: one lane's is enough)
+            self.probing = least == 0
+            return max(least, 1)
+        ks = np.arange(least, self.max_draft + 1)
+        tokens = np.zeros(ks.shape[0])
+        for held in holds:
+            gained = np.concatenate([[0.0], np.cumsum(np.cumprod(held))])
+            tokens += 1.0 + gained[ks]
+        drafting = np.where(ks > 0, first + (ks - 1) * step, 0.0)  # one lane's draft passes
+        best = best_width(tokens, len(holds) * drafting + cost.seconds(ks + 1), plain=least == 0)
+        if least == 0 and best == 0:
+            self._resting[lanes] = self.SETTLED - 1
+            self.probing = self.probes.due()
+            return 1 if self.probing else 0
+        return int(ks[best])
+
+    def drafted(self, proposal: Proposal, lanes: int) -> None:
+        """A lane's draft passes in a round of `lanes` lanes, timed: what choose_k prices them by.
+        The first pass feeds the tokens the draft has not seen (after a round, the ones it
+        committed) and is priced on its own, as DraftLength prices it; a first pass that caught up
+        on a whole prompt says nothing of a round's."""
+        p = proposal
+        if p.passes > 1:
+            step = (p.seconds - p.first_seconds) / (p.passes - 1)
+            self.step[lanes] = _decay(self.step.get(lanes), step)
+        if p.first_seconds and p.caught_up <= self.max_draft + 1:
+            self.first[lanes] = _decay(self.first.get(lanes), p.first_seconds)
+
+    def update(self, lanes: int, t: int, seconds: float, drafted: bool, accepted: int,
+               draft_seconds: float = 0.0) -> None:
+        """After a round of `lanes` lanes at width `t` whose verify pass took `seconds` and whose
+        draft passes `draft_seconds`; `accepted`: the draft tokens its lanes kept. A round that
+        drafted counts as held (Probes) only if it paid: the tokens it committed per lane beat a
+        plain pass by the width's measured cost and the draft's passes. In a batch, some lane's
+        draft holds in most rounds, and probing on every such round would keep a wide pass
+        running where it does not pay."""
+        cost = self.cost(lanes)
+        cost.add(t, seconds)
+        if drafted:
+            plain, wide = cost.seconds(np.array([1, t]))
+            self.probes.settle((lanes + accepted) * plain >= self.PAYS * (wide + draft_seconds) * lanes)
+
+
+def _decay(mean: float | None, value: float) -> float:
+    return value if mean is None else 0.9 * mean + 0.1 * value
