@@ -47,7 +47,7 @@ from specdeploy.runtime.decoding.batch_draft import BatchDraft, BatchHeads
 from specdeploy.runtime.decoding.drafters import Proposal, drafter_class, make_drafter
 from specdeploy.runtime.decoding.drafters.model import static_cost_ratio
 from specdeploy.runtime.decoding.engine import Checked
-from specdeploy.runtime.decoding.loop import chain_draft, check_finite, look_up
+from specdeploy.runtime.decoding.loop import chain_draft, check_finite, commit, look_up
 from specdeploy.runtime.decoding.policy import BatchPolicy, DraftLength, TreeSize
 from specdeploy.runtime.decoding.request import Request
 from specdeploy.runtime.decoding.sampling import SamplingParams
@@ -761,23 +761,13 @@ class BatchSession(Prompts):
         """Commit a round's tokens to the lane and hand them to its reader; -> whether it is done."""
         s = lane.stats
         s.record(record)
-        wanted = lane.req.max_new_tokens - (lane.end - lane.n)
-        new = new[:wanted]
-        eos = next((i for i, tok in enumerate(new.tolist()) if tok in self.eos_token_ids), None)
-        if eos is not None:
-            new = new[: eos + 1]
-        lane.ids[lane.end : lane.end + new.shape[0]] = new
+        new, eos = commit(lane.ids, lane.end, lane.n, new, lane.req.max_new_tokens, self.eos_token_ids, s, lane.started)
         lane.end += new.shape[0]
-        s.new_tokens = lane.end - lane.n
-        s.seconds = time.perf_counter() - lane.started
-        if s.new_tokens == new.shape[0]:
-            s.first_token_seconds = s.seconds
-            s.first_round_tokens = s.new_tokens
         piece = lane.text.push(new)
         piece.logprobs = lane.judge.take(new.shape[0])
         lane.out.put(piece)
         self.timing["tokens"] += new.shape[0]
-        return eos is not None or s.new_tokens >= lane.req.max_new_tokens or lane.text.met["stop"]
+        return eos or s.new_tokens >= lane.req.max_new_tokens or lane.text.met["stop"]
 
 
 EMPTY = np.empty(0, dtype=np.int64)

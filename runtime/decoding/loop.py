@@ -118,25 +118,36 @@ def decode(target: Engine, drafter: Drafter | None, prompt_ids: np.ndarray, sett
     try:
         while end - n < s.max_new_tokens:
             wanted = s.max_new_tokens - (end - n)  # never drafts past it: they would be thrown away
-            new = next_round(target, drafter, ids[:end], wanted - 1, s, judge, stats)[:wanted]
-            eos = next((i for i, token in enumerate(new.tolist()) if token in s.eos_token_ids), None)  # no numpy
-            if eos is not None:
-                new = new[: eos + 1]
-            ids[end : end + new.shape[0]] = new
+            new = next_round(target, drafter, ids[:end], wanted - 1, s, judge, stats)
+            new, eos = commit(ids, end, n, new, s.max_new_tokens, s.eos_token_ids, stats, t_start)
             end += new.shape[0]
             if cache is not None:
                 cache.hold(target, ids, end - 1)
-            stats.new_tokens = end - n
-            stats.seconds = time.perf_counter() - t_start
-            if stats.new_tokens == new.shape[0]:
-                stats.first_token_seconds = stats.seconds
-                stats.first_round_tokens = stats.new_tokens
             yield new
-            if eos is not None:
+            if eos:
                 return
     finally:
         if drafter is not None and drafter.keeps_history:
             drafter.remember(ids[:end])  # what the request said, for later ones
+
+
+def commit(ids: np.ndarray, end: int, n: int, new: np.ndarray, max_new_tokens: int, eos_token_ids: frozenset[int],
+           stats: Stats, started: float) -> tuple[np.ndarray, bool]:
+    """A round's tokens committed after ids[:end] (the first n are the prompt), for Session's rounds
+    and a batch's lanes alike: cut to the new tokens left and at the first EOS, written into `ids`,
+    counted in `stats` (times from `started`; the first round's is the time to first token).
+    -> (the tokens committed, whether an EOS ended them)."""
+    new = new[: max_new_tokens - (end - n)]
+    eos = next((i for i, token in enumerate(new.tolist()) if token in eos_token_ids), None)  # no numpy
+    if eos is not None:
+        new = new[: eos + 1]
+    ids[end : end + new.shape[0]] = new
+    stats.new_tokens = end + new.shape[0] - n
+    stats.seconds = time.perf_counter() - started
+    if stats.new_tokens == new.shape[0]:
+        stats.first_token_seconds = stats.seconds
+        stats.first_round_tokens = stats.new_tokens
+    return new, eos is not None
 
 
 def next_round(target: Engine, drafter: Drafter | None, ids: np.ndarray, most: int, s: DecodeSettings,
