@@ -32,9 +32,10 @@ import numpy as np
 import onnxruntime as ort
 
 from specdeploy.core.errors import BundleError, InputError
-from specdeploy.core.graph_io import AUX_HIDDEN, GRAPH_FACTS, LOGITS_ROWS, check_pass, fill_mask, fill_tree_mask, graph_facts, io_names, window_length
+from specdeploy.core.graph_io import AUX_HIDDEN, GRAPH_FACTS, LOGITS_ROWS, fill_mask, fill_tree_mask, graph_facts, io_names, window_length
 from specdeploy.core.choices import DTYPES, FLOAT_DTYPES, NUMPY_DTYPES
 from specdeploy.core.manifest import ModelSpec, kept_positions
+from specdeploy.runtime.decoding.engine import EngineBase
 from specdeploy.runtime.decoding.tree import TreeLayout
 
 from . import devices
@@ -498,9 +499,9 @@ class _Stage:
         binding.bind_input(name, self.device.kind, self.device.index, dtype, shape, address)
 
 
-class OrtEngine:
+class OrtEngine(EngineBase):
     """One graph of a bundle on ONNX Runtime: the CPU, or a GPU through the CUDA (or TensorRT)
-    execution provider."""
+    execution provider; over `max_batch` KV slots (`forward_batch`: the CPU)."""
 
     chains = False  # every pass returns its logits to the host
 
@@ -631,8 +632,8 @@ class OrtEngine:
         """The (T, L) pass shapes captured so far, in the order of their graph ids (1, 2, ...)."""
         return list(self._graphs)
 
-    def forward(self, token_ids: np.ndarray, start: int, tree: "TreeLayout | None" = None,
-                last: bool = False, features: "dict[str, np.ndarray | None] | None" = None) -> np.ndarray:
+    def _forward(self, token_ids: np.ndarray, start: int, tree: "TreeLayout | None", last: bool,
+                 features: "dict[str, np.ndarray | None] | None") -> np.ndarray:
         """token_ids [T] at positions start..start+T-1 -> logits [T, V]; with `tree` (engines
         whose `trees` is True), a tree pass: the tokens written at slots start..start+T-1, each
         at position start + its depth, seeing the context and its ancestors. `last`: the caller
@@ -644,9 +645,6 @@ class OrtEngine:
         the next pass of the same T. `features` (an EAGLE-3 head): its hidden-state inputs,
         name -> [T, width] (left out or None: zeros).
         """
-        self.runs += 1
-        token_ids = np.asarray(token_ids, dtype=np.int64)
-        check_pass(self.name, token_ids, start, self.max_seq, self.vocab_size)
         t = token_ids.shape[0]
         captured = self.placement.capture and t <= self.placement.capture_max_t
         last = last and t > 1 and not captured and self._takes_rows
@@ -696,26 +694,14 @@ class OrtEngine:
             kv[:, start : start + source.shape[0]] = kv[:, source]
 
     # -- batched passes ----------------------------------------------------------------------
-    def forward_batch(self, tokens: np.ndarray, starts: np.ndarray, first: int = 0, last: bool = False,
-                      pad: bool = True, layouts: "list[TreeLayout | None] | None" = None) -> np.ndarray:
-        """tokens [B, T] written at slots first..first+B-1, sequence b at positions starts[b]..
-        starts[b]+T-1 -> logits [B, T, V] (`last`: [B, 1, V], each sequence's last row only).
-        Sequence b's rows see its own slot only (masked past its own length), so its logits
-        equal its logits alone, bit for bit (docs/design.md, "Batched passes"). The array is this
-        engine's buffer: valid until the next batched pass. (`pad`: unused here: no pass is
-        padded.) `layouts` (engines whose `trees` is True): sequence b's rows as a tree where
-        layouts[b] is not None (as `forward`'s `tree`). On the CPU."""
-        tokens = np.ascontiguousarray(tokens, dtype=np.int64)
-        starts = np.ascontiguousarray(starts, dtype=np.int64)
+    def _forward_batch(self, tokens: np.ndarray, starts: np.ndarray, first: int, last: bool, pad: bool,
+                       layouts: "list[TreeLayout | None] | None") -> np.ndarray:
+        """EngineBase.forward_batch on ONNX Runtime's CPU provider: slots bound by address (no
+        pass is padded: `pad` is unused), each sequence's mask and positions its own."""
         b, t = tokens.shape
         if self.kv is None or self.feature_inputs:
             raise InputError(f"{self.name}: batched passes run on the CPU, over a target or a draft model "
                              "(an EAGLE-3 head runs one sequence a pass)")
-        if not (1 <= b and first + b <= self.max_batch) or starts.shape != (b,):
-            raise InputError(f"{self.name}: a pass of {b} sequences at slot {first} does not fit {self.max_batch} "
-                             f"slots (starts {starts.shape})")
-        for i in range(b):
-            check_pass(self.name, tokens[i], int(starts[i]), self.max_seq, self.vocab_size)
         window = int(starts.max()) + t
         mask = np.empty((b, 1, t, window), np.float32)
         positions = starts[:, None] + np.arange(t, dtype=np.int64)
@@ -723,8 +709,6 @@ class OrtEngine:
             layout = layouts[i] if layouts is not None else None
             if layout is None:
                 fill_mask(mask[i, 0], int(starts[i]), self.spec.sliding_window)
-            elif not self.trees:
-                raise InputError(f"{self.name}: this graph does not verify token trees")
             else:
                 fill_tree_mask(mask[i, 0], int(starts[i]), layout.visible)
                 positions[i] = starts[i] + layout.offsets
@@ -749,7 +733,6 @@ class OrtEngine:
             hidden = self._batch_hidden.reshape(-1)[: b * t * size].reshape(b, t, size)
             binding.bind_output(AUX_HIDDEN, "cpu", 0, np.float32, [b, t, size], hidden.ctypes.data)
         outputs = self._stage_states(binding, starts, first, t, rows) if self.states else None
-        self.runs += 1
         try:
             self.session.run_with_iobinding(binding)
         except RuntimeError as e:

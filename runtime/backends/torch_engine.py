@@ -44,7 +44,7 @@ from specdeploy.core.choices import FLOAT_DTYPES
 from specdeploy.core.manifest import ModelSpec, kept_positions
 from specdeploy.core.graph_io import AUX_HIDDEN, DRAFT_HIDDEN_OUT, check_pass, fill_mask, fill_tree_mask, window_length
 
-from specdeploy.runtime.decoding.engine import Checked
+from specdeploy.runtime.decoding.engine import Checked, EngineBase
 
 from .recurrent import RecurrentStates
 
@@ -119,7 +119,7 @@ class TorchChain:
     probs: torch.Tensor | None = None
 
 
-class TorchEngine:
+class TorchEngine(EngineBase):
     """One graph of a bundle as the export stage's `SpecGraph`, on a CPU or a CUDA device.
 
     graph: a SpecGraph (its weights on `device`); spec: the bundle's numbers for it.
@@ -289,8 +289,8 @@ class TorchEngine:
     def kv_bytes_per_sequence(self) -> int:
         return sum(buffer[0].numel() * buffer.element_size() for buffer in self.kv)
 
-    def forward(self, token_ids: np.ndarray, start: int, tree=None, last: bool = False,
-                features: "dict[str, np.ndarray | None] | None" = None) -> np.ndarray:
+    def _forward(self, token_ids: np.ndarray, start: int, tree, last: bool,
+                 features: "dict[str, np.ndarray | None] | None") -> np.ndarray:
         """token_ids [T] at positions start..start+T-1 -> logits [T, V] float32; with `tree` (a
         TreeLayout, where `trees` is True) a tree pass, run eager. `last` (the caller reads
         only the last row) changes nothing here but for a model with recurrent states, whose
@@ -299,9 +299,6 @@ class TorchEngine:
         The returned array is this engine's buffer for T: valid until the next pass of
         the same T (on a CPU, a fresh array).
         """
-        self.runs += 1
-        token_ids = np.asarray(token_ids, dtype=np.int64)
-        check_pass(self.name, token_ids, start, self.max_seq, self.vocab_size)
         t = token_ids.shape[0]
         self._stage_np[0] = start
         self._stage_np[1 : 1 + t] = token_ids
@@ -558,23 +555,14 @@ class TorchEngine:
         """The first slot position a padding lane may write (S - the widest captured pass)."""
         return self.max_seq - self.capture_max_t
 
-    def forward_batch(self, tokens: np.ndarray, starts: np.ndarray, first: int = 0, last: bool = False,
-                      pad: bool = True, layouts: "list | None" = None) -> np.ndarray:
-        """As OrtEngine.forward_batch: tokens [B, T] at slots first.., sequence b written at
-        starts[b] -> logits [B, T, V] (`last`: [B, 1, V]) on the host. `pad`: the slots after
-        the pass's may take padding lanes (no K/V of theirs at or past `padding_floor`).
-        `layouts` (where `trees` is True): sequence b's rows as a tree where layouts[b] is not
-        None; such a pass runs eager over the exact window, its mask made on the host."""
-        tokens = np.asarray(tokens, dtype=np.int64)
-        starts = np.asarray(starts, dtype=np.int64)
+    def _forward_batch(self, tokens: np.ndarray, starts: np.ndarray, first: int, last: bool, pad: bool,
+                       layouts: "list | None") -> np.ndarray:
+        """EngineBase.forward_batch on the module, the logits brought back to the host. `pad`:
+        the slots after the pass's may take padding lanes (no K/V of theirs at or past
+        `padding_floor`). A pass with tree lanes runs eager over the exact window, its mask
+        made on the host."""
         b, t = tokens.shape
-        if not (1 <= b and first + b <= self.max_batch) or starts.shape != (b,):
-            raise InputError(f"{self.name}: a pass of {b} sequences at slot {first} does not fit {self.max_batch} slots")
-        for i in range(b):
-            check_pass(self.name, tokens[i], int(starts[i]), self.max_seq, self.vocab_size)
         tree = layouts is not None and any(x is not None for x in layouts)
-        if tree and not self.trees:
-            raise InputError(f"{self.name}: this graph does not verify token trees")
         fixed = self.buckets and t <= self.capture_max_t and first == 0 and not tree
         lanes = batch_bucket(b, self.max_batch) if fixed and pad else b
         if first + lanes > self.max_batch:
@@ -586,7 +574,6 @@ class TorchEngine:
         if lanes > b:  # padding lanes: token 0, written at the end of the buffer
             stage[first + b : first + lanes, 0] = self.max_seq - t
             stage[first + b : first + lanes, 1 : 1 + t] = 0
-        self.runs += 1
         self.stats.passes += 1
         with torch.no_grad():
             if self.device.type != "cpu":

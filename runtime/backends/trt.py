@@ -53,7 +53,7 @@ from specdeploy.core.graph_io import check_pass, fill_mask, window_length
 from specdeploy.core.manifest import ModelSpec
 from specdeploy.core.trt_profiles import ARGMAX, Profile, batch_inputs, select_profile
 
-from specdeploy.runtime.decoding.engine import Checked
+from specdeploy.runtime.decoding.engine import Checked, EngineBase
 from specdeploy.runtime.decoding.sampling import sample, warp
 from .cuda import Cuda, CudaError, import_modules
 from .trt_layout import STAGED_INPUTS, CaptureError, EnqueueError, ShapeKey, StepGraphs, engine_layout, step_slot
@@ -75,7 +75,7 @@ class DraftChain:
     probs: np.ndarray | None = None  # a sampled chain's draft probs [k, V] (drawn on the host)
 
 
-class TrtEngine:
+class TrtEngine(EngineBase):
     """One graph of a bundle as a TensorRT engine, on one CUDA stream of its own."""
 
     features = None  # no hidden-state output: an EAGLE-3 bundle runs on ort or torch
@@ -215,15 +215,13 @@ class TrtEngine:
             "host_syncs": self.host_syncs, "fused": self.fused,
         }
 
-    def forward(self, token_ids: np.ndarray, start: int, last: bool = False) -> np.ndarray:
+    def _forward(self, token_ids: np.ndarray, start: int, tree, last: bool, features) -> np.ndarray:
         """token_ids [T] at positions start..start+T-1 -> logits [T, V]. `last` (the caller
-        reads only the last row) changes nothing: a plan takes no logits_rows (see build).
+        reads only the last row) changes nothing: a plan takes no logits_rows (see build). No
+        trees, no hidden states (`trees` False, `features` None: the caller passes neither).
 
         The returned array views this engine's pinned host buffer: valid until the next pass.
         """
-        self.runs += 1
-        token_ids = np.asarray(token_ids, dtype=np.int64)
-        check_pass(self.name, token_ids, start, self.max_seq, self.vocab_size)
         t = token_ids.shape[0]
         if t > self.t_max:
             return self._forward_chunked(token_ids, start)

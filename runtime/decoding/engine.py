@@ -1,9 +1,13 @@
-"""The engine contract: what the loop, the drafters and the pool ask of a backend.
+"""The engine contract: what the loop, the batch's scheduler, the drafters and the pool ask of
+a backend.
 
 An engine runs one graph of a bundle over KV buffers it owns (allocated once, written in
-place). `forward(token_ids, start)` writes the K/V of `token_ids` at positions
-`start..start+T-1` and returns logits for every position. Rollback needs no method: slots
-at and past the caller's length are never read.
+place), `max_batch` sequences' worth of them (KV slots). `forward(token_ids, start)` writes
+the K/V of `token_ids` at positions `start..start+T-1` of slot 0 and returns logits for every
+position; `forward_batch(tokens, starts, first)` does the same for B sequences in slots
+first..first+B-1 in one pass (ort and torch). Rollback needs no method: slots at and past the
+caller's length are never read. Every backend's engine is an `EngineBase`: its public passes
+check and count, its `_forward` / `_forward_batch` run.
 
 Engines that can chain a draft on their device (`chains = True`: the torch backend; TensorRT
 engines built with the argmax output) also offer `draft_chain` / `verify_chain`: a round of
@@ -16,6 +20,9 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import numpy as np
+
+from specdeploy.core.errors import InputError
+from specdeploy.core.graph_io import check_pass
 
 
 class Engine(Protocol):
@@ -37,8 +44,8 @@ class Engine(Protocol):
         return that row alone ([1, V])."""
         ...
 
-    def resumable(self, length: int) -> int:
-        """The longest prefix, at most `length` tokens, that a pass may start after: `length`
+    def resumable(self, length: int, slot: int = 0) -> int:
+        """The longest prefix of `slot`, at most `length` tokens, that a pass may start after: `length`
         itself where the engine keeps only K/V; a model with recurrent states keeps them at
         recent positions only (runtime/backends/recurrent.py), and the caller feeds the tokens
         from the prefix this returns on."""
@@ -46,8 +53,8 @@ class Engine(Protocol):
 
     # -- only where `trees` is True --------------------------------------------------------
     # forward(token_ids, start, tree=TreeLayout): a tree pass (runtime/tree.py)
-    def move_kv(self, source: np.ndarray, start: int) -> None:
-        """Copy the K/V at slots `source` [m] to slots start..start+m-1, in place."""
+    def move_kv(self, source: np.ndarray, start: int, slot: int = 0) -> None:
+        """In KV slot `slot`, copy the K/V at positions `source` [m] to start..start+m-1, in place."""
         ...
 
     def fork(self) -> "Engine":
@@ -69,6 +76,62 @@ class Engine(Protocol):
     def chain_seconds(self) -> float:
         """The last draft chain's duration (device time where the engine can measure it)."""
         ...
+
+
+class EngineBase:
+    """The half every backend's engine shares (the Polygraphy runner pattern): `forward` and
+    `forward_batch` check a pass against the engine's buffers and count it in `runs` (before it
+    runs: a pass that fails may have written the buffers), and the backend's `_forward` /
+    `_forward_batch` run it. What an engine can do (`trees`, `chains`, hidden states in
+    `features`, KV slots in `max_batch`) it declares as attributes."""
+
+    name: str
+    max_seq: int
+    vocab_size: int
+    runs: int
+    trees: bool = False
+    max_batch: int = 1  # KV slots: sequences a forward_batch pass may carry
+
+    def forward(self, token_ids: np.ndarray, start: int, tree=None, last: bool = False,
+                features: "dict[str, np.ndarray | None] | None" = None) -> np.ndarray:
+        """token_ids [T] at positions start..start+T-1 (slot 0) -> logits [T, V] float32 (see
+        Engine.forward; `tree`: a TreeLayout, where `trees` is True; `features`: an EAGLE-3
+        head's hidden-state inputs)."""
+        self.runs += 1
+        token_ids = np.asarray(token_ids, dtype=np.int64)
+        check_pass(self.name, token_ids, start, self.max_seq, self.vocab_size)
+        if tree is not None and not self.trees:
+            raise InputError(f"{self.name}: this graph does not verify token trees")
+        return self._forward(token_ids, start, tree, last, features)
+
+    def forward_batch(self, tokens: np.ndarray, starts: np.ndarray, first: int = 0, last: bool = False,
+                      pad: bool = True, layouts: "list | None" = None) -> np.ndarray:
+        """tokens [B, T] written at slots first..first+B-1, sequence b at positions starts[b]..
+        starts[b]+T-1 -> logits [B, T, V] (`last`: [B, 1, V], each sequence's last row only).
+        Sequence b's rows see its own slot only, so its logits equal its logits alone, bit for
+        bit (docs/design.md, "Batched passes"). `pad`: the slots after the pass's may take an
+        engine's padding lanes (runtime/decoding/batch.py `_may_pad`). `layouts` (where `trees`
+        is True): sequence b's rows as a tree where layouts[b] is not None."""
+        tokens = np.ascontiguousarray(tokens, dtype=np.int64)
+        starts = np.ascontiguousarray(starts, dtype=np.int64)
+        b, t = tokens.shape
+        if not (1 <= b and first + b <= self.max_batch) or starts.shape != (b,):
+            raise InputError(f"{self.name}: a pass of {b} sequences at slot {first} does not fit {self.max_batch} "
+                             f"slots (starts {starts.shape})")
+        for i in range(b):
+            check_pass(self.name, tokens[i], int(starts[i]), self.max_seq, self.vocab_size)
+        if layouts is not None and not self.trees and any(x is not None for x in layouts):
+            raise InputError(f"{self.name}: this graph does not verify token trees")
+        self.runs += 1
+        return self._forward_batch(tokens, starts, first, last, pad, layouts)
+
+    def _forward(self, token_ids: np.ndarray, start: int, tree, last: bool, features) -> np.ndarray:
+        raise NotImplementedError
+
+    def _forward_batch(self, tokens: np.ndarray, starts: np.ndarray, first: int, last: bool, pad: bool,
+                       layouts) -> np.ndarray:
+        raise InputError(f"{self.name}: this backend runs one sequence per pass; batched serving takes "
+                         "--backend ort or torch")
 
 
 @dataclass
