@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -192,43 +193,82 @@ def _parse_ids(text: str) -> list[int]:
         raise InputError(f"--prompt-ids {text!r}: expected integers separated by commas") from None
 
 
+def _request_options(command):
+    """The request schema's settings (runtime/decoding/request.py `SETTINGS`) as options of
+    `generate`, one per setting, named as the library names them (--top-p for top_p; --no-speculate
+    for speculate), with the library's defaults: a setting added to the schema is an option here,
+    as it is a field of an HTTP body and a Triton input."""
+    from specdeploy.runtime.decoding.request import BOOLEAN, DEFAULTS, INTEGER, NUMBER, SESSION_DEFAULTS, SETTINGS, STRINGS
+
+    for name, s in reversed(list(SETTINGS.items())):
+        default = SESSION_DEFAULTS.get(name, DEFAULTS[name])
+        doc = re.sub(r"\s*\(default [^)]*\)|;? default \w+", "", s.doc)  # the schema's (a wire request's) default
+        shown = "" if default is None or default is False or default == () else f"  [default: {default}]"
+        doc = doc[:1].upper() + doc[1:] + "." + shown
+        if name == "speculate":
+            option = click.option("--no-speculate", "speculate", flag_value=False, default=None,
+                                  help="Plain decoding with the target alone.")
+        elif s.kind is BOOLEAN:
+            option = click.option(f"--{name.replace('_', '-')}", name, flag_value=True, default=None, help=doc)
+        else:
+            kind = {INTEGER: int, NUMBER: float}.get(s.kind, str)
+            option = click.option(f"--{name.replace('_', '-')}", name, type=kind, default=None,
+                                  multiple=s.kind is STRINGS, help=doc)
+        command = option(command)
+    return command
+
+
+def _json_option(name: str, text: str | None):
+    """--tools and --tool-choice take JSON (OpenAI's forms); a tool choice may be a bare word."""
+    if text is None or (name == "tool_choice" and not text.lstrip().startswith("{")):
+        return text
+    try:
+        return json.loads(text)
+    except ValueError as e:
+        raise InputError(f"--{name.replace('_', '-')}: not JSON ({e})") from None
+
+
 @main.command()
 @click.argument("bundle", type=click.Path(path_type=Path))
 @click.option("--prompt", help="Prompt text.")
 @click.option("--prompt-ids", help="Prompt as token ids, comma separated (instead of --prompt).")
 @click.option("--chat", is_flag=True, help="Wrap the prompt in the bundle's chat template as a user message.")
-@click.option("--max-new-tokens", default=128, show_default=True)
-@click.option("--draft-len", default="auto", show_default=True, help="Draft tokens per round: K (pinned) or auto.")
-@click.option("--tree-nodes", default="auto", show_default=True,
-              help="Token-tree nodes verified per round (bundles with --draft suffix): N (up to N; 1: chains) or auto.")
-@click.option("--no-speculate", is_flag=True, help="Plain decoding with the target alone.")
-@click.option("--temperature", default=0.0, show_default=True, help="0 is greedy.")
-@click.option("--top-k", default=0, show_default=True, help="Keep the K most likely tokens (0: off).")
-@click.option("--top-p", default=1.0, show_default=True, help="Keep the smallest set with this much mass (1: off).")
-@click.option("--seed", type=int, help="Seed for sampling: the same seed gives the same text.")
-@click.option("--stop", multiple=True, help="Stop string (repeatable); the text ends before it.")
-@click.option("--json", "as_json", is_flag=True, help="Print one JSON object: text, token_ids, stats.")
+@_request_options
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object: text, token_ids, stats (and logprobs, "
+                                                      "tool_calls where asked for).")
 @click.option("--threads", type=THREADS, help="ONNX Runtime intra-op threads (default: all cores).")
 @click.option("--backend", type=click.Choice(BACKENDS), default="ort", show_default=True)
 @_device_options
-def generate(bundle, prompt, prompt_ids, chat, max_new_tokens, draft_len, tree_nodes, no_speculate, temperature, top_k,
-             top_p, seed, stop, as_json, threads, backend, device, trt_ep):
+def generate(bundle, prompt, prompt_ids, chat, as_json, threads, backend, device, trt_ep, **settings):
     """Generate from BUNDLE, streaming the text."""
     from specdeploy.runtime.decoding.session import Session
 
     if (prompt is None) == (prompt_ids is None):
         raise InputError("give exactly one of --prompt or --prompt-ids")
+    kwargs = {k: _json_option(k, v) if k in ("tools", "tool_choice") else v for k, v in settings.items()
+              if v is not None and v != ()}
+    if "logprobs" in kwargs and not as_json:
+        raise InputError("--logprobs: the log probabilities are printed with --json")
     if backend == "ort":
         _share_threads(threads)
     session = Session(bundle, threads=threads, backend=backend, device=device, trt_ep=trt_ep)
-    kwargs = dict(max_new_tokens=max_new_tokens, draft_len=draft_len, speculate=not no_speculate, chat=chat,
-                  temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, stop=stop, tree_nodes=tree_nodes)
+    kwargs["chat"] = chat
     if prompt_ids is not None:
         kwargs["prompt_ids"] = _parse_ids(prompt_ids)
     gen = session.stream(prompt, **kwargs)
     if as_json:
-        result = session.collect(gen)
-        click.echo(json.dumps({"text": result.text, "token_ids": result.token_ids, "stats": result.stats.as_dict()}))
+        texts, ids, logprobs = [], [], []
+        for piece in gen:
+            texts.append(piece.text)
+            ids += piece.token_ids
+            logprobs += piece.logprobs or []
+        out = {"text": "".join(texts), "token_ids": ids, "stats": gen.stats.as_dict()}
+        if "logprobs" in kwargs:
+            out["logprobs"] = [lp._asdict() for lp in logprobs]
+        if "tools" in kwargs:
+            out["text"], calls = session.tool_calls(ids)
+            out["tool_calls"] = [call._asdict() for call in calls]
+        click.echo(json.dumps(out))
         return
     for piece in gen:
         click.echo(piece.text, nl=False)

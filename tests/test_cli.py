@@ -64,3 +64,43 @@ def test_export_draft_suffix_and_generate_tree_nodes(models, tmp_path):
     assert runs["1"]["stats"]["tree_rounds"] == 0  # chains
     bad = CliRunner().invoke(main, args + ["--tree-nodes", "99"])
     assert bad.exit_code == 1 and "tree nodes 99 is outside [1, 32]" in bad.output
+
+
+def test_every_request_setting_is_a_generate_option():
+    """`generate`'s request options are made from the request schema: every setting a server or
+    Triton takes is an option, named as the library names it."""
+    from specdeploy.runtime.decoding.request import SETTINGS
+
+    names = {p.name for p in main.commands["generate"].params}
+    assert set(SETTINGS) <= names
+    assert main.commands["generate"].params  # (the comparison above is not vacuous)
+    assert {"--min-p", "--repetition-penalty", "--structure", "--logprobs", "--no-speculate", "--private"} <= {
+        opt for p in main.commands["generate"].params for opt in p.opts}
+
+
+def test_generate_passes_the_schemas_settings_to_the_session(bundles, monkeypatch):
+    """What the options say reaches the session: a choice structure, log probabilities with --json,
+    and seeded sampling with min-p and penalties giving what Session gives for the same request."""
+    from specdeploy.runtime import Session
+
+    from test_cli_bounds import one_line
+
+    bundle = str(bundles("llama-ngram"))
+    run = lambda *extra: CliRunner().invoke(main, ["generate", bundle, "--prompt", "The quick", *extra])  # noqa: E731
+    result = run("--structure", '{"choice": ["yes", "no"]}', "--max-new-tokens", "20", "--json")
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["text"] in ("yes", "no")
+    out = json.loads(run("--max-new-tokens", "6", "--logprobs", "2", "--json").stdout)
+    assert len(out["logprobs"]) == len(out["token_ids"]) == 6
+    assert [lp["token"] for lp in out["logprobs"]] == out["token_ids"] and all(len(lp["top"]) == 2 for lp in out["logprobs"])
+    sampled = dict(max_new_tokens=12, temperature=1.0, seed=5, min_p=0.05, repetition_penalty=1.3, presence_penalty=0.5)
+    args = [x for k, v in sampled.items() for x in (f"--{k.replace('_', '-')}", str(v))]
+    got = json.loads(run(*args, "--json").stdout)["token_ids"]
+    assert got == Session(bundle).generate("The quick", **sampled).token_ids
+    seen = {}
+    stream = Session.stream
+    monkeypatch.setattr(Session, "stream", lambda self, prompt, **kw: (seen.update(kw), stream(self, prompt, **kw))[1])
+    run(*args, "--json")
+    assert seen == dict(sampled, chat=False)  # each option arrives as the library's keyword
+    one_line(run("--logprobs", "2"), "--logprobs", "--json")
+    one_line(run("--tools", "[{not json"), "--tools: not JSON")

@@ -382,9 +382,11 @@ class Request:
         '{"grammar": Lark}, {"choice": [...]}', _checked(structure_of), optional=True)  # the server also maps OpenAI's
     # response_format and vLLM's structured_outputs to it
     tools: tuple[str, ...] | None = setting(
-        None, TOOLS, "tools", None, doc="functions the model may call (OpenAI's form)", rule=_checked(check_tools),
+        None, TOOLS, "tools", None, doc="functions the model may call, as JSON (OpenAI's form)", rule=_checked(check_tools),
         optional=True)  # canonical JSON texts, one a tool
-    tool_choice: str = setting("auto", TOOL_CHOICE, "tool choice", None, rule=_checked(check_tool_choice))
+    tool_choice: str = setting("auto", TOOL_CHOICE, "tool choice", None,
+                               doc='"none", "auto", "required" or a function to call (OpenAI\'s forms)',
+                               rule=_checked(check_tool_choice))
     grammar: str | None = None  # the structure compiled for the bundle's tokenizer (by `Prompts.prepare`)
     prepared: bool = False  # by `Prompts.prepare`: its prompt as token ids (tools rendered), its grammar compiled
 
@@ -401,6 +403,8 @@ class Request:
 
 SETTINGS: dict[str, Setting] = {f.name: f.metadata["setting"] for f in fields(Request) if "setting" in f.metadata}
 DEFAULTS: dict[str, Any] = {f.name: f.default for f in fields(Request)}
+# where the library's (Session.stream's, the command line's) defaults differ from a wire request's
+SESSION_DEFAULTS: dict[str, Any] = {"max_new_tokens": 128, "temperature": 0.0}
 PROMPT_FIELDS = ("prompt", "prompt_ids", "messages")
 
 WORDS: dict[str, str] = {"prompt": "the prompt", "prompt_ids": "prompt", "messages": "messages", "chat": "chat",

@@ -24,7 +24,8 @@ from specdeploy.runtime.decoding.drafters import drafter_class, make_drafter
 from specdeploy.runtime.decoding.loop import DecodeSettings, PromptCache, decode
 from specdeploy.runtime.decoding.policy import DraftLength, TreeSize
 from specdeploy.runtime.decoding.request import (
-    Message, MAX_TREE_NODES, message_of, WORDS, Limits, Request, RequestError, Structure, fit, validate,
+    Message, MAX_TREE_NODES, SESSION_DEFAULTS, message_of, WORDS, Limits, Request, RequestError, Structure, fit,
+    validate,
 )
 from specdeploy.runtime.decoding.stats import Stats, finish_reason
 from specdeploy.runtime.decoding.sampling import SamplingParams
@@ -300,8 +301,9 @@ class Prompts:
         return Grammars(self.tokenizer.path.read_text(encoding="utf-8"), self.target.vocab_size, self.tokenizer.size(),
                         self.eos_token_ids)
 
-    def request(self, prompt: str | None = None, *, prompt_ids=None, chat: bool = False, max_new_tokens: int = 128,
-                draft_len: int | str | None = "auto", speculate: bool = True, temperature: float = 0.0, top_k: int = 0,
+    def request(self, prompt: str | None = None, *, prompt_ids=None, chat: bool = False,
+                max_new_tokens: int = SESSION_DEFAULTS["max_new_tokens"], draft_len: int | str | None = "auto",
+                speculate: bool = True, temperature: float = SESSION_DEFAULTS["temperature"], top_k: int = 0,
                 top_p: float = 1.0, seed: int | None = None, stop: list[str] | tuple[str, ...] = (),
                 tree_nodes: int | str | None = "auto", private: bool = False, min_p: float = 0.0,
                 presence_penalty: float = 0.0, frequency_penalty: float = 0.0, repetition_penalty: float = 1.0,
