@@ -167,9 +167,13 @@ class TorchEngine(EngineBase):
         self.capture = self.capture and not eager
         self.buckets = self.capture if buckets is None else (buckets and not eager)
         width = self.feature_outputs.get(AUX_HIDDEN)
-        self._features = torch.zeros((max_seq, width), dtype=torch.float32, device=self.device) if width else None
-        self.features = None if width is None else (
-            self._features.numpy() if not cuda else np.zeros((max_seq, width), np.float32))  # what a head reads
+        # per KV slot, [max_batch, max_seq, width] on the device; `slot_features` on the host (a view
+        # on a CPU), what a head reads; `features` slot 0's (what `forward` writes)
+        self._features = torch.zeros((max_batch, max_seq, width), dtype=torch.float32, device=self.device) \
+            if width else None
+        self.slot_features = None if width is None else (
+            self._features.numpy() if not cuda else np.zeros((max_batch, max_seq, width), np.float32))
+        self.features = None if width is None else self.slot_features[0]
         self._feature_in = {name: torch.zeros((1, max_seq, w), dtype=torch.float32, device=self.device)
                             for name, w in self.feature_inputs.items()}
         self.outputs: dict[str, np.ndarray] = {}
@@ -233,9 +237,8 @@ class TorchEngine(EngineBase):
                     f"{bundle.path}: an {spec.dtype} {spec.role} graph on --backend torch: its rows are not bit-identical "
                     "from one pass shape to another (docs/backends.md), so a request's output would depend on the batch; "
                     "use --backend ort, or a float bundle")
-            if spec.feature_inputs or spec.feature_outputs:
-                raise InputError(f"{spec.role}: an EAGLE-3 bundle batches on --backend ort (the torch backend's batched "
-                                 "passes return no hidden states yet)")
+            if spec.feature_inputs:
+                raise InputError(f"{spec.role}: an EAGLE-3 head runs one sequence a pass (each lane's head is its own)")
             if spec.state_names:
                 raise InputError(f"{spec.role}: a model with linear-attention layers batches on --backend ort (the "
                                  "torch backend's batched passes keep no recurrent states yet)")
@@ -335,7 +338,7 @@ class TorchEngine(EngineBase):
             torch.cuda.current_stream(self.device).synchronize()  # the one host sync of the pass
             self.stats.host_syncs += 1
             if self._features is not None:  # the states a head reads, on the host
-                self.features[start : start + t] = self._features[start : start + t].cpu().numpy()
+                self.features[start : start + t] = self._features[0, start : start + t].cpu().numpy()
             if self._state is not None:
                 self.outputs[DRAFT_HIDDEN_OUT] = self._state[0].cpu().numpy()
             if timing:
@@ -468,7 +471,7 @@ class TorchEngine(EngineBase):
             return self._recurrent_pass(ids, positions, start, mask)
         out = self.graph(ids, positions[None], start, mask[None, None], self._kv0)
         if self._features is not None:  # a target for an EAGLE-3 head: its states, at their positions
-            self._features.index_copy_(0, positions, out[-1][0])
+            self._features[0].index_copy_(0, positions, out[-1][0])
         return out[0]
 
     def _recurrent_pass(self, ids, positions, start, mask) -> torch.Tensor:
@@ -484,7 +487,7 @@ class TorchEngine(EngineBase):
         self.states.store(at + t - rows.shape[0] + 1, [state[0] for state in out[1 + n : 1 + n + len(before)]],
                           rows.shape[0])
         if self._features is not None:  # a target for a head: its final states, at their positions
-            self._features.index_copy_(0, positions, out[-1][0])
+            self._features[0].index_copy_(0, positions, out[-1][0])
         return out[0]
 
     def _tree_pass(self, t: int, window: int, tree) -> torch.Tensor:
@@ -588,6 +591,10 @@ class TorchEngine(EngineBase):
             if self.device.type == "cpu":
                 self.stats.host_syncs += 1
                 return rows.numpy()
+            if self._features is not None:  # each lane's rows of the target's states, on the host (one copy each)
+                for i in range(b):
+                    at = int(starts[i])
+                    self.slot_features[first + i, at : at + t] = self._features[first + i, at : at + t].cpu().numpy()
             host = self._host_b.get(tuple(rows.shape[:2]))
             if host is None:
                 host = self._host_b[tuple(rows.shape[:2])] = torch.empty(tuple(rows.shape), dtype=torch.float32,
@@ -610,7 +617,16 @@ class TorchEngine(EngineBase):
             visible &= cols > rows - self.spec.sliding_window
         mask = torch.where(visible, 0.0, float("-inf"))[:, None]  # [B, 1, T, L]
         kv = [buffer[first : first + lanes] for buffer in self.kv]
-        return self.graph(io[:, 1 : 1 + t], positions, starts, mask, kv)[0]
+        out = self.graph(io[:, 1 : 1 + t], positions, starts, mask, kv)
+        self._keep_features(first, positions, out)
+        return out[0]
+
+    def _keep_features(self, first: int, positions: torch.Tensor, out) -> None:
+        """A target for a head: each lane's hidden states (the graph's last output, [B, T, W]) at
+        their positions in its slot (padding lanes' land past every length, where nothing reads)."""
+        if self._features is not None:
+            for i in range(positions.shape[0]):
+                self._features[first + i].index_copy_(0, positions[i], out[-1][i])
 
     def _batch_tree_pass(self, first: int, starts: np.ndarray, t: int, window: int, layouts) -> torch.Tensor:
         """A batched pass with tree lanes, eager: the mask and positions made on the host (as
@@ -626,24 +642,34 @@ class TorchEngine(EngineBase):
                 positions[i] = starts[i] + layout.offsets
         io = self._io_b[first : first + b]
         kv = [buffer[first : first + b] for buffer in self.kv]
-        return self.graph(io[:, 1 : 1 + t], torch.from_numpy(positions).to(self.device), io[:, 0],
-                          torch.from_numpy(mask).to(self.device), kv)[0]
+        where = torch.from_numpy(positions).to(self.device)
+        out = self.graph(io[:, 1 : 1 + t], where, io[:, 0], torch.from_numpy(mask).to(self.device), kv)
+        self._keep_features(first, where, out)
+        return out[0]
 
     def copy(self, source: int, dest: int, start: int, end: int) -> None:
         """Slot `dest`'s K/V at positions start..end-1 made those of slot `source`, on the device."""
         with torch.no_grad():
             for buffer in self.kv:
                 buffer[dest, :, start:end] = buffer[source, :, start:end]
+            if self._features is not None:  # the hidden states at the same positions
+                self._features[dest, start:end] = self._features[source, start:end]
+                if self.device.type != "cpu":
+                    self.slot_features[dest, start:end] = self.slot_features[source, start:end]
 
     def swap(self, a: int, b: int, length_a: int, length_b: int) -> None:
         """Exchange the K/V of slots a and b (their first length_a / length_b positions), on the device."""
         if a == b:
             return
         with torch.no_grad():
-            for buffer in self.kv:
-                keep = buffer[a, :, :length_a].clone()
+            for buffer in self.kv + ([self._features.transpose(1, 2)] if self._features is not None else []):
+                keep = buffer[a, :, :length_a].clone()  # (the hidden states, [B, W, S] viewed, move with the K/V)
                 buffer[a, :, :length_b] = buffer[b, :, :length_b]
                 buffer[b, :, :length_a] = keep
+        if self._features is not None and self.device.type != "cpu":
+            keep = self.slot_features[a, :length_a].copy()
+            self.slot_features[a, :length_b] = self.slot_features[b, :length_b]
+            self.slot_features[b, :length_a] = keep
 
 
 def batch_bucket(b: int, max_batch: int) -> int:

@@ -39,12 +39,12 @@ import numpy as np
 from specdeploy.core.errors import BundleError, InputError, SpecdeployError
 from specdeploy.core.manifest import Bundle, kept_positions, load_bundle
 
-from specdeploy.runtime.backends import make_batch_engine
+from specdeploy.runtime.backends import BackendChoice, make_batch_engine
 from specdeploy.runtime.backends.ort import settle_thread_pool, thread_pool_choice
 from specdeploy.runtime.decoding.accept import Judge
 from specdeploy.runtime.decoding.admission import POLL_SECONDS, Cancelled, Overloaded, QueueTimeout
 from specdeploy.runtime.decoding.batch_draft import BatchDraft, BatchHeads
-from specdeploy.runtime.decoding.drafters import Proposal, drafter_class, make_drafter
+from specdeploy.runtime.decoding.drafters import Proposal, check_backend, drafter_class, make_drafter
 from specdeploy.runtime.decoding.drafters.model import static_cost_ratio
 from specdeploy.runtime.decoding.engine import Checked
 from specdeploy.runtime.decoding.loop import chain_draft, check_finite, commit, look_up
@@ -147,6 +147,7 @@ class BatchSession(Prompts):
         b.check_memory(sequences=batch)
         self.tokenizer = Tokenizer(b.file(b.tokenizer.file), b.tokenizer)
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids)
+        check_backend(b, backend)  # a drafter that runs on some backends only
         self.target = make_batch_engine(backend, b, batch, threads, device)
         kind = b.draft_kind
         self.drafter = None  # a model-free lookup: forked per lane, run on the host
@@ -164,7 +165,8 @@ class BatchSession(Prompts):
                 if self.target.features is None:
                     raise InputError(f"{b.path}: its {kind} head reads the target's hidden states, which the "
                                      f"{backend} backend's batched passes do not return; use --backend ort")
-                self.draft = BatchHeads(make_drafter(b, "ort", threads), self.target, batch)
+                heads = BackendChoice.of(backend, device)  # the backend a lane alone would draft on
+                self.draft = BatchHeads(make_drafter(b, heads, threads), self.target, batch)
         self.batch = batch
         self.max_queue = max_queue
         self.wait_seconds = wait_seconds

@@ -20,7 +20,7 @@ from specdeploy.runtime.decoding.accept import Judge, TokenLogprob
 from specdeploy.runtime.decoding.grammar import Grammars
 from specdeploy.runtime.decoding.tools import (CLOSE, MISTRAL_CALLS, OPEN, ToolCall, call_grammar, parse_calls,
                                                tool_format)
-from specdeploy.runtime.decoding.drafters import drafter_class, make_drafter
+from specdeploy.runtime.decoding.drafters import check_backend, make_drafter
 from specdeploy.runtime.decoding.loop import DecodeSettings, PromptCache, decode
 from specdeploy.runtime.decoding.policy import DraftLength, TreeSize
 from specdeploy.runtime.decoding.request import (
@@ -378,10 +378,7 @@ class Session(Prompts):
         self.tokenizer = Tokenizer(b.file(b.tokenizer.file), b.tokenizer)
         self.backend = choice.name
         self.choice = choice
-        allowed = drafter_class(b.draft_kind).backends  # a drafter that runs on some backends only
-        if allowed is not None and choice.name not in allowed:
-            raise InputError(f"{b.path}: its {b.draft_kind} draft runs on --backend {' or '.join(allowed)} for now, "
-                             f"not {choice.name}")
+        check_backend(b, choice.name)  # a drafter that runs on some backends only
         self.target = make_engine(choice, b, b.model("target"), threads)
         self.drafter = make_drafter(b, choice, threads)  # the drafters pass the choice on to make_engine
         _attach(self.drafter, self.target)

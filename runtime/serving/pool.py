@@ -36,14 +36,13 @@ def default_batch(bundle: Bundle, backend: str = "ort", device: str | None = Non
     same rounds), and from two streams on every request shares each pass
     (results/batching/README.md). One session is kept where a batch lacks what the bundle
     needs: ONNX Runtime on a GPU or TensorRT (batched passes run on ONNX Runtime's CPU and on
-    the torch backend; an EAGLE-3 head's, an MTP layer's, a Gemma 4 assistant's and a model with recurrent
-    states on ONNX Runtime's CPU only), or graphs that carry one
+    the torch backend; a Gemma 4 assistant's and a model with recurrent states (its MTP layer's
+    too) on ONNX Runtime's CPU only), or graphs that carry one
     sequence a pass (exported with --max-batch 1, or before batching)."""
     if bundle.manifest.recurrent and backend != "ort":
         return None, f"its linear-attention layers keep recurrent states, which batched passes keep on ONNX Runtime's CPU only, not {backend}"
-    if bundle.draft_kind in ("eagle3", "assistant") and backend != "ort":
-        what = "EAGLE-3 head" if bundle.draft_kind == "eagle3" else "Gemma 4 assistant"
-        return None, f"its {what} batches on ONNX Runtime's CPU, not {backend}"
+    if bundle.draft_kind == "assistant" and backend != "ort":
+        return None, f"its Gemma 4 assistant batches on ONNX Runtime's CPU, not {backend}"
     on_gpu = device is not None and not str(device).startswith("cpu")
     if backend == "trt" or (backend == "ort" and (on_gpu or trt_ep)):
         return None, f"batched passes run on ONNX Runtime's CPU or the torch backend, not {backend}" + (

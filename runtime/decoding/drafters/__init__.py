@@ -27,7 +27,7 @@ from typing import ClassVar, Protocol
 
 import numpy as np
 
-from specdeploy.core.errors import BundleError
+from specdeploy.core.errors import BundleError, InputError
 from specdeploy.core.manifest import Bundle, DraftEntry, one_class_per_draft_kind
 
 from specdeploy.runtime.backends import BackendChoice
@@ -112,5 +112,13 @@ def make_drafter(bundle: Bundle, backend: BackendChoice | str, threads: int | No
     return drafter_class(bundle.draft_kind).from_bundle(bundle, backend, threads)
 
 
-__all__ = ["AssistantDrafter", "DRAFTERS", "Drafter", "Eagle3Drafter", "ModelDrafter", "MtpDrafter", "NgramDrafter", "NoDraft", "Proposal", "SelfDrafter",
+def check_backend(bundle: Bundle, backend: str) -> None:
+    """A drafter that runs on some backends only refuses the others in one line."""
+    allowed = drafter_class(bundle.draft_kind).backends
+    if allowed is not None and backend not in allowed:
+        raise InputError(f"{bundle.path}: its {bundle.draft_kind} draft runs on --backend {' or '.join(allowed)} for now, "
+                         f"not {backend}")
+
+
+__all__ = ["AssistantDrafter", "DRAFTERS", "Drafter", "check_backend", "Eagle3Drafter", "ModelDrafter", "MtpDrafter", "NgramDrafter", "NoDraft", "Proposal", "SelfDrafter",
            "SuffixDrafter", "SuffixIndex", "drafter_class", "lookup", "make_drafter"]
