@@ -571,15 +571,11 @@ class OrtEngine(EngineBase):
         # one ring of recurrent states per slot (backends/recurrent.py); `states`: slot 0's
         self.slot_states = [RecurrentStates(spec, keep_states, self.name if max_batch == 1 else f"{self.name} slot {i}")
                             for i in range(max_batch)]
-        self.states = self.slot_states[0]
-        # batched passes (forward_batch): a binding per (first slot, B); logits and hidden-state rows
-        # [B, T, ...] grown on demand; recurrent states staged in buffers grown on demand
+        # batched passes (forward_batch): a binding per (first slot, B); their logits, hidden-state
+        # rows and recurrent states in buffers grown on demand (`_staging`)
         self._batch_bindings: dict[tuple[int, int], ort.IOBinding] = {}
-        self._batch_logits = np.zeros((max_batch, 1, spec.logits_width), np.float32)
-        self._batch_hidden = np.zeros((max_batch, 1, width or 1), np.float32)
         self._staged: dict[str, np.ndarray] = {}
         self.padding_floor = None  # its passes carry no padding lanes (the torch backend's batched passes do)
-        self.rows = 0  # rows computed by batched passes
         if self.states and placement.device.kind != "cpu":
             raise InputError(f"{self.name}: a model with linear-attention layers runs on ONNX Runtime's CPU provider; "
                              f"not on {placement.device} yet")
@@ -600,6 +596,11 @@ class OrtEngine(EngineBase):
         return OrtEngine(self.graph_path, self.spec, self.max_seq, self._threads,
                          session=None if self.placement.capture else self.session, spinning=self._spinning,
                          placement=self.placement, keep_states=self.states.keep, max_batch=self.max_batch)
+
+    @property
+    def states(self) -> RecurrentStates:
+        """Slot 0's recurrent states: what `forward` reads and keeps."""
+        return self.slot_states[0]
 
     def resumable(self, length: int, slot: int = 0) -> int:
         """The longest prefix of `slot`, at most `length` tokens, a pass may start after (a model
@@ -689,7 +690,7 @@ class OrtEngine(EngineBase):
         """In `slot`, copy the K/V at positions `source` [m] to start..start+m-1 in every buffer
         (a tree round's accepted path into the positions a chain would have used). Sources are
         read before anything is written, so the two ranges may overlap."""
-        for buffer in self.kv_arrays if slot == 0 else self.kv:
+        for buffer in self.kv:
             kv = buffer[slot]  # [Hkv, S, D] (buffer[slot, :, source] would put the indexed axis first)
             kv[:, start : start + source.shape[0]] = kv[:, source]
 
@@ -714,9 +715,7 @@ class OrtEngine(EngineBase):
                 positions[i] = starts[i] + layout.offsets
         rows = 1 if last else t
         width = self.spec.logits_width
-        if self._batch_logits.size < b * rows * width:
-            self._batch_logits = np.zeros((self.max_batch, rows, width), np.float32)
-        logits = self._batch_logits.reshape(-1)[: b * rows * width].reshape(b, rows, width)
+        logits = self._staging("logits", (b, rows, width))
         binding = self._batch_binding(first, b)
         binding.bind_cpu_input("input_ids", tokens)
         binding.bind_cpu_input("position_ids", positions)
@@ -728,16 +727,13 @@ class OrtEngine(EngineBase):
         hidden = None
         if self.slot_features is not None:
             size = self.slot_features.shape[2]
-            if self._batch_hidden.size < b * t * size:
-                self._batch_hidden = np.zeros((self.max_batch, t, size), np.float32)
-            hidden = self._batch_hidden.reshape(-1)[: b * t * size].reshape(b, t, size)
+            hidden = self._staging(AUX_HIDDEN, (b, t, size))
             binding.bind_output(AUX_HIDDEN, "cpu", 0, np.float32, [b, t, size], hidden.ctypes.data)
         outputs = self._stage_states(binding, starts, first, t, rows) if self.states else None
         try:
             self.session.run_with_iobinding(binding)
         except RuntimeError as e:
             raise BundleError(f"{self.name}: ONNX Runtime failed a pass of {b}x{t} tokens ({_reason(e)})") from None
-        self.rows += b * t
         if outputs is not None:  # each sequence's states after the returned rows, kept by position in its slot
             for i in range(b):
                 self.slot_states[first + i].store(int(starts[i]) + t - rows + 1, [out[i] for out in outputs], rows)
@@ -764,8 +760,9 @@ class OrtEngine(EngineBase):
         return outputs
 
     def _staging(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
-        """A view of `shape` over the staging buffer of state input or output `name`, grown on
-        demand and kept (a verify pass's states are megabytes: not allocated afresh each pass)."""
+        """A view of `shape` over the staging buffer of a batched pass's output `name` (logits,
+        hidden states) or state input or output, grown on demand and kept (a verify pass's states
+        are megabytes: not allocated afresh each pass)."""
         need = int(np.prod(shape))
         flat = self._staged.get(name)
         if flat is None or flat.size < need:
@@ -789,7 +786,6 @@ class OrtEngine(EngineBase):
             return
         states = self.slot_states
         states[a], states[b] = states[b], states[a]
-        self.states = states[0]
         for buffer in self.kv:
             keep = buffer[a, :, :length_a].copy()
             buffer[a, :, :length_b] = buffer[b, :, :length_b]

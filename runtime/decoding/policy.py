@@ -249,11 +249,6 @@ class DraftLength:
         tokens = np.concatenate([[1.0], 1.0 + np.cumsum(np.cumprod(self.held()))])
         return tokens, np.concatenate([verify[:1], first + (k - 1) * step + verify[1:]])
 
-    def rates(self) -> np.ndarray:
-        """Expected tokens per second of each k = 0..max_k relative to plain steps (k = 0: 1)."""
-        tokens, seconds = self.widths()
-        return tokens * seconds[0] / seconds
-
     def choose(self) -> int:
         if self.fixed is not None:
             return self.fixed
