@@ -34,7 +34,7 @@ import onnx
 import onnxruntime as ort
 
 from specdeploy.core.graph_io import attention_mask
-from specdeploy.runtime.backends.ort import session_options
+from specdeploy.runtime.backends.ort import kv_capacity, session_options
 
 try:
     from benchmarks.provenance import provenance
@@ -70,18 +70,19 @@ def weight_bytes(graph: Path) -> int:
 class Stepper:
     """A target graph's T = 1 step, inputs and KV buffers bound once."""
 
-    def __init__(self, graph: Path, so: ort.SessionOptions):
+    def __init__(self, graph: Path, so: ort.SessionOptions, max_seq: int | None = None):
+        """`max_seq`: the buffers' slots where the graph reads its K/V as bound ([1, Hkv, L, D]:
+        then bound at the runtime's capacity for the window, kv_capacity); else the graph's own."""
         self.session = ort.InferenceSession(str(graph), so, providers=["CPUExecutionProvider"])
         self.kv = {}
-        for value in self.session.get_inputs():
-            if value.name.startswith("past_"):
-                shape = [1, *value.shape[1:]]
-                dtype = np.float16 if "float16" in value.type else np.float32
-                rng = np.random.default_rng(len(self.kv))
-                self.kv[value.name] = ort.OrtValue.ortvalue_from_numpy(
-                    (rng.standard_normal(shape) * 0.1).astype(dtype))
-        first = next(iter(self.kv.values()))
-        self.max_seq = first.shape()[2] if len(first.shape()) == 4 else first.shape()[1]
+        past = [v for v in self.session.get_inputs() if v.name.startswith("past_")]
+        self.windowed = isinstance(past[0].shape[2], str)
+        self.max_seq = max_seq or (8192 if self.windowed else past[0].shape[2])
+        for value in past:
+            shape = [1, value.shape[1], self.max_seq, value.shape[3]]
+            dtype = np.float16 if "float16" in value.type else np.float32
+            rng = np.random.default_rng(len(self.kv))
+            self.kv[value.name] = (rng.standard_normal(shape) * 0.1).astype(dtype).reshape(-1)
         self.names = {v.name for v in self.session.get_inputs()}
 
     def bind(self, token_ids: np.ndarray, start: int) -> ort.IOBinding:
@@ -89,17 +90,28 @@ class Stepper:
         output bound: copy_outputs_to_cpu()[0]), every KV buffer bound in place."""
         t = len(token_ids)
         b = self.session.io_binding()
+        mask = attention_mask(start, t)
+        slots = self.max_seq
+        if self.windowed:  # the buffers laid out at the capacity the runtime gives this window
+            slots = kv_capacity(start + t, self.max_seq)
+            mask = np.concatenate([mask, np.full((1, 1, t, slots - start - t), -np.inf, np.float32)], axis=-1)
         feeds = {"input_ids": token_ids[None], "position_ids": np.arange(start, start + t, dtype=np.int64)[None],
-                 "write_indices": np.array([start], np.int64), "attention_mask": attention_mask(start, t),
+                 "write_indices": np.array([start], np.int64), "attention_mask": mask,
                  "logits_rows": np.arange(t, dtype=np.int64)}
         for name, value in feeds.items():
             if name in self.names:
                 b.bind_cpu_input(name, value)
         b.bind_output("logits")
-        for name, value in self.kv.items():
-            b.bind_ortvalue_input(name, value)
-            b.bind_ortvalue_output(name.replace("past_", "present_"), value)
+        for name, flat in self.kv.items():
+            heads, dim = self.session_shape(name)
+            shape = [1, heads, slots, dim]
+            b.bind_input(name, "cpu", 0, flat.dtype, shape, flat.ctypes.data)
+            b.bind_output(name.replace("past_", "present_"), "cpu", 0, flat.dtype, shape, flat.ctypes.data)
         return b
+
+    def session_shape(self, name: str) -> tuple[int, int]:
+        shape = next(v.shape for v in self.session.get_inputs() if v.name == name)
+        return shape[1], shape[3]
 
     def binding(self, length: int) -> ort.IOBinding:
         """A single step at slot length - 1: attention over L = `length` slots."""
@@ -158,7 +170,7 @@ def profile(graph: Path, lengths: list[int], steps: int, threads: int, wall: dic
         if value.name.startswith("past_"):
             dims = [d.dim_value for d in value.type.tensor_type.shape.dim]
             itemsize = onnx.helper.tensor_dtype_to_np_dtype(value.type.tensor_type.elem_type).itemsize
-            kv_per_slot += int(np.prod(dims[1:])) // dims[2] * itemsize
+            kv_per_slot += dims[1] * dims[3] * itemsize  # Hkv x D a slot (dim 2: max_seq, or the window L)
     del model
 
     so = session_options(threads)

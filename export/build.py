@@ -237,8 +237,9 @@ def model_entry(graph: SpecGraph, source: Source, role: str, graph_file: str, dt
 def _export_model(
     graph: SpecGraph, source: Source, *, work: Path, role: str, dtype: str, attention: str, max_seq: int,
     max_draft: int, prefill_chunk: int, full_model: bool, log: Callable[[str], None], device: str = "cpu",
-    max_batch: int = 1, kv_dtype: str | None = None,
+    max_batch: int = 1, kv_dtype: str | None = None, windowed: bool = False,
 ) -> ModelSpec:
+    """`windowed`: attention reads the K/V as bound (onnx_export.read_bound_kv), for ONNX Runtime's CPU provider."""
     graph_file = f"{role}.onnx"
     if graph.state_layout and device != "cpu":
         raise ExportError(f"--for {device}: {graph.arch.family}'s linear-attention layers keep recurrent states, which "
@@ -254,7 +255,8 @@ def _export_model(
     # quantized graphs, on which it takes minutes and which ONNX Runtime folds at load)
     fold = not (graph.contrib_ops or (quantized and not standard))
     forms = export_onnx(graph, work / graph_file, max_seq, getattr(torch, spec.kv_dtype), optimize=fold,
-                        facts=graph_facts(spec), standard_quant=quantized and standard, max_batch=max(max_batch, 2))
+                        facts=graph_facts(spec), standard_quant=quantized and standard, max_batch=max(max_batch, 2),
+                        windowed=windowed and not fused)
     if forms is not None:
         graph.quantization = {**graph.quantization, "method": "weight-only, blocked DequantizeLinear + MatMul",
                               "dequantize_linear": forms}
@@ -577,18 +579,23 @@ def build_bundle(
             check_layer_windows(source.config, max_seq, max_draft, str(source.path))
             aux = getattr(recipe, "aux_layers", None) if role == "target" else None
             model_kv = KV_CHOICES[kv_dtype] if kv_dtype and role == "target" else None
+            # K/V read as bound at the window: the CPU's graphs, but for a target whose K/V a Gemma 4
+            # assistant reads (its graph takes them [1, Hkv, max_seq, D], as the target's slots lie)
+            windowed = device == "cpu" and model_attention == "exact" and not (
+                role == "target" and recipe.kind == "assistant")
             key = None
             if graphs is not None:
                 key = cache_key(source.sha256, role=role, dtype=model_dtype, num_layers=num_layers,
                                 attention=model_attention, quant_scheme=scheme, device=device, aux_layers=aux,
                                 kv_dtype=model_kv, full_model=full_model, max_seq=max_seq, max_draft=max_draft,
-                                prefill_chunk=prefill_chunk, max_batch=max_batch)
+                                prefill_chunk=prefill_chunk, max_batch=max_batch, windowed=windowed)
                 spec = graphs.get(key, work, source.path)
                 if spec is not None:
                     return spec
             graph = source_graph(source, model_dtype, num_layers, scheme, "none" if device == "tensorrt" else None, aux)
             spec = _export_model(graph, source, role=role, dtype=model_dtype, attention=model_attention,
-                                 full_model=full_model, device=device, **common, **batched, kv_dtype=model_kv)
+                                 full_model=full_model, device=device, **common, **batched, kv_dtype=model_kv,
+                                 windowed=windowed)
             if graphs is not None:
                 graphs.put(key, work, spec)
             return spec

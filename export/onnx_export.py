@@ -55,8 +55,12 @@ def state_buffers(graph: SpecGraph, batch: int = 1) -> list[torch.Tensor]:
 
 
 def export_onnx(graph: SpecGraph, path: Path, max_seq: int, kv_dtype: torch.dtype, optimize: bool = True,
-                facts: dict | None = None, standard_quant: bool = False, max_batch: int = 1) -> dict[str, int] | None:
+                facts: dict | None = None, standard_quant: bool = False, max_batch: int = 1,
+                windowed: bool = False) -> dict[str, int] | None:
     """Export with torch.onnx (dynamo), name the dynamic dims B, T and L, run onnx.checker.
+
+    `windowed`: attention reads the K/V buffers as bound, [B, Hkv, L, D] (`read_bound_kv`), not a
+    prefix sliced out of [B, Hkv, max_seq, D].
 
     `max_batch` > 1: the batch dimension B (sequences per pass, each with its own KV slot,
     write index and mask) is dynamic, 1..max_batch; 1 keeps it fixed at 1 (an EAGLE-3 head).
@@ -120,6 +124,8 @@ def export_onnx(graph: SpecGraph, path: Path, max_seq: int, kv_dtype: torch.dtyp
     lower_scans(model)  # the recurrences of linear-attention layers, as standard ONNX
     _name_dims(model)
     _drop_unused_outputs(model)
+    if windowed:
+        read_bound_kv(model)
     counts = None
     if standard_quant:  # MatMulNBits as DequantizeLinear + MatMul: the same values in standard ONNX
         from .qdq import to_dequantize_linear
@@ -177,6 +183,64 @@ def _name_dims(model) -> None:
         for dim in value.type.tensor_type.shape.dim:
             if dim.dim_param in rename:
                 dim.dim_param = rename[dim.dim_param]
+
+
+def read_bound_kv(model) -> int:
+    """Make attention read each KV buffer whole, as the runtime binds it: [B, Hkv, L, D], L the
+    mask's window, instead of slicing the first L slots out of a [B, Hkv, max_seq, D] buffer.
+
+    The Slice copied the live prefix of every K and V, every layer, every pass: at 3k tokens of
+    context the largest operator of an int4 SmolLM2 step. Bound at the window, the buffer is the
+    prefix: the runtime lays its slots out at the window's stride (runtime/backends/ort.py,
+    "KV capacity") and the score and value products read it where it lies. The values read are
+    the same, in the same order, so logits are bit-identical to the sliced graph's. -> the
+    Slices removed."""
+    graph = model.graph
+    kv = {v.name for v in list(graph.input) + list(graph.output) if v.name.startswith(("past_", "present_"))}
+    cut = [n for n in graph.node if n.op_type == "Slice" and n.input[0] in kv]
+    rename = {n.output[0]: n.input[0] for n in cut}
+    for n in cut:
+        graph.node.remove(n)
+    for n in graph.node:
+        for i, name in enumerate(n.input):
+            if name in rename:
+                n.input[i] = rename[name]
+    for value in list(graph.input) + list(graph.output):
+        if value.name in kv:
+            dims = value.type.tensor_type.shape.dim
+            dims[2].Clear()
+            dims[2].dim_param = "L"
+    _drop_dead_nodes(model)
+    return len(cut)
+
+
+def _reads(nodes) -> set[str]:
+    """The names `nodes` read, those their subgraphs (a Scan's, an If's branches) read included."""
+    import onnx
+
+    read = set()
+    for node in nodes:
+        read.update(node.input)
+        for attr in node.attribute:
+            for sub in ([attr.g] if attr.type == onnx.AttributeProto.GRAPH else list(attr.graphs)):
+                read |= _reads(sub.node) | {out.name for out in sub.output}
+    return read
+
+
+def _drop_dead_nodes(model) -> None:
+    """Remove the nodes whose outputs nothing reads (what computed the Slices' bounds)."""
+    graph = model.graph
+    while True:
+        read = _reads(graph.node) | {out.name for out in graph.output}
+        dead = [n for n in graph.node if not any(out in read for out in n.output if out)]
+        if not dead:
+            break
+        for n in dead:
+            graph.node.remove(n)
+    produced = {out for node in graph.node for out in node.output} | {v.name for v in graph.input}
+    kept = [v for v in graph.value_info if v.name in produced]
+    del graph.value_info[:]
+    graph.value_info.extend(kept)
 
 
 # Outputs a contrib op computes only when they are named (ONNX: an empty name is an omitted

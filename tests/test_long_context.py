@@ -73,6 +73,63 @@ def test_long_prompt_speculative_equals_plain_and_hf_generate(kv, long_bundles, 
             assert plain.token_ids == ref, length
 
 
+@pytest.mark.parametrize("kv", ["fp32", "fp16"])
+def test_the_kv_capacity_follows_the_window_and_keeps_what_is_read(kv, long_bundles):
+    """The target reads its K/V as bound, laid out at a capacity a little above each pass's window
+    (runtime/backends/ort.py kv_capacity): grown as a context lengthens, shrunk for a shorter
+    prompt that reuses a cached prefix, grown again. Every generation equals the same request in a
+    session that caches no prompt (its K/V all written by the request itself), and the cached
+    prefixes are reused across each move."""
+    import onnx
+
+    session, fresh = Session(long_bundles[kv]), Session(long_bundles[kv], prompt_cache=False)
+    session.eos_token_ids = fresh.eos_token_ids = []
+    graph = onnx.load(str(session.bundle.file("target.onnx")), load_external_data=False).graph
+    kv_names = {v.name for v in graph.input if v.name.startswith("past_")}
+    assert not [n for n in graph.node if n.op_type == "Slice" and n.input[0].replace("present_", "past_") in kv_names]
+    assert all(v.type.tensor_type.shape.dim[2].dim_param == "L" for v in graph.input if v.name in kv_names)
+    engine = session.target
+    assert engine.windowed and engine.capacity == MAX_SEQ  # laid out at max_seq until the first pass
+    ids = long_prompt(session, 440)
+    capacities = []
+    for prompt, cached, k in ((ids[:100], 0, 4), (ids[:380], 100, 8), (ids[:150], 140, 2), (ids[:150] + ids[:150], 150, 8)):
+        got = session.generate(prompt_ids=prompt, max_new_tokens=60, draft_len=k)
+        capacities.append(engine.capacity)
+        assert got.stats.cached_tokens >= cached, (len(prompt), got.stats.cached_tokens)
+        assert got.token_ids == fresh.generate(prompt_ids=prompt, max_new_tokens=60, speculate=False).token_ids
+    # grown with the context, shrunk for the shorter prompt (its cached prefix moved), grown again
+    assert capacities[0] < capacities[1] > capacities[2] < capacities[3] < MAX_SEQ, capacities
+
+
+def test_a_batch_lets_a_finished_requests_long_kv_go_and_reuses_what_is_left(long_bundles):
+    """In a batch a finished request's slot keeps its K/V for a later prompt that shares them, but
+    releases them: the running lane's passes lay the buffers out at its own, smaller, capacity,
+    which cuts the held K/V to it. A later request sharing the long prompt reuses what is left
+    (less than it would have) and answers as it would alone; so do the requests before it."""
+    from specdeploy.runtime import BatchSession
+    from test_batch import joined_generations
+
+    bundle = long_bundles["fp16"]
+    alone = Session(bundle, prompt_cache=False)
+    alone.eos_token_ids = []
+    batched = BatchSession(bundle, batch=2)
+    batched.eos_token_ids = frozenset()
+    ids = long_prompt(alone, 440)
+    short = ids[200:230]
+    try:
+        long_gen, short_gen = joined_generations(batched, [(None, dict(prompt_ids=ids[:400], max_new_tokens=8,
+                                                                         draft_len=4)),
+                                                           (None, dict(prompt_ids=short, max_new_tokens=90, draft_len=4))])
+        got_long, got_short = Session.collect(long_gen), Session.collect(short_gen)
+        assert batched.target.capacity < 400  # the short lane's passes alone: the long K/V let go
+        again = batched.generate(prompt_ids=ids[:420], max_new_tokens=40, draft_len=4)
+        assert 0 < again.stats.cached_tokens < 399, again.stats.cached_tokens
+    finally:
+        batched.close()
+    for prompt, new, got in ((ids[:400], 8, got_long), (short, 90, got_short), (ids[:420], 40, again)):
+        assert got.token_ids == alone.generate(prompt_ids=prompt, max_new_tokens=new, speculate=False).token_ids
+
+
 def test_kv_cost_is_stated_and_fp16_halves_it(long_bundles):
     full, half = (Session(long_bundles[kv]).bundle.manifest for kv in ("fp32", "fp16"))
     t = full.models["target"]

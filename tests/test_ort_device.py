@@ -233,13 +233,27 @@ def test_a_single_step_reads_zeros_over_its_window_after_a_padded_one():
     assert (mask[:31] == 0).all()
 
 
-def test_captured_bookkeeping_gives_the_same_logits(bundles):
+@pytest.fixture(scope="module")
+def sliced(models, tmp_path_factory):
+    """The tiny Llama exported for CUDA: its attention slices the window out of [B, Hkv, max_seq, D]
+    buffers (a graph for the CPU reads them as bound instead), so captured passes bucket windows."""
+    from conftest import MAX_SEQ, PREFILL_CHUNK
+    from specdeploy.export import build_bundle
+
+    out = tmp_path_factory.mktemp("cuda") / "llama-model"
+    build_bundle(models["llama"], str(models["llama_draft"]), out, max_seq=MAX_SEQ, max_draft=8,
+                 prefill_chunk=PREFILL_CHUNK, device="cuda")
+    return out
+
+
+def test_captured_bookkeeping_gives_the_same_logits(sliced):
     """Passes with per-shape bindings, graph ids and bucketed windows (what CUDA graphs need)
     against the plain CPU engine: the padded window's masked slots add exact zeros."""
     from specdeploy.runtime import load_bundle
 
-    bundle = load_bundle(bundles(BUNDLE))
+    bundle = load_bundle(sliced)
     captured, plain = _engines(bundle, True)["target"], _engines(bundle, False)["target"]
+    assert not captured.windowed
     ids = np.random.default_rng(0).integers(0, plain.vocab_size, size=bundle.max_seq)
     passes = [(0, 16), (16, 16), (32, 30), (62, 1), (63, 1), (64, 9), (65, 4), (69, 1), (70, 9), (118, 9)]
     for start, t in passes:
@@ -253,6 +267,23 @@ def test_captured_bookkeeping_gives_the_same_logits(bundles):
     binding = captured._graphs[(1, 128)][0]
     captured.forward(ids[100:101], 100)
     assert captured._graphs[(1, 128)][0] is binding and len(captured.graph_shapes) == 4  # bound once, replayed
+
+
+def test_a_graph_reading_its_kv_as_bound_is_captured_at_max_seq(bundles):
+    """A CPU bundle's graph reads its K/V as bound, laid out at a capacity the host moves (numpy):
+    captured passes replay fixed addresses and shapes, so there it binds them at max_seq, every
+    window max_seq (masked past each pass), the same logits as the CPU engine's capacities."""
+    from specdeploy.runtime import load_bundle
+
+    bundle = load_bundle(bundles(BUNDLE))
+    captured, plain = _engines(bundle, True)["target"], _engines(bundle, False)["target"]
+    assert captured.windowed and plain.windowed
+    ids = np.random.default_rng(0).integers(0, plain.vocab_size, size=bundle.max_seq)
+    for start, t in [(0, 16), (16, 16), (32, 30), (62, 1), (63, 1), (64, 9), (65, 4), (118, 9)]:
+        np.testing.assert_array_equal(captured.forward(ids[start : start + t], start).copy(),
+                                      plain.forward(ids[start : start + t], start))
+    assert captured.graph_shapes == [(1, bundle.max_seq), (9, bundle.max_seq), (4, bundle.max_seq)]
+    assert captured.capacity == bundle.max_seq and plain.capacity == bundle.max_seq  # 127 of 128 slots: no smaller
 
 
 def test_speculation_is_lossless_on_the_captured_bookkeeping(bundles):

@@ -357,14 +357,54 @@ def _load(graph_path: Path, spec: ModelSpec, max_seq: int, threads: int | None, 
                 raise BundleError(f"{graph_path}: the graph's {key} is {graph_said[key]!r}, the manifest says {value!r}; "
                                   "re-export the bundle")
     kv = {name: [None, *spec.kv_shape(i, 1, max_seq)[1:]] for i, pair in enumerate(spec.kv_names) for name in pair}
+    kv_fields = "num_kv_heads, max_seq, head_dim"
+    if reads_bound_kv(session, spec):  # [B, Hkv, L, D]: the window, not max_seq
+        kv = {name: [None, shape[1], "L", shape[3]] for name, shape in kv.items()}
+        kv_fields = "num_kv_heads, head_dim"
     for value in session.get_inputs() + session.get_outputs():
-        want, fields = ((kv[value.name], "num_kv_heads, max_seq, head_dim") if value.name in kv
+        want, fields = ((kv[value.name], kv_fields) if value.name in kv
                         else ([None, None, spec.logits_width], "vocab_size") if value.name == "logits" else (None, ""))
         got = [d if isinstance(d, int) else None for d in value.shape]
-        if want is not None and [w if w is None else g for w, g in zip(want, got)] + got[len(want):] != want:
+        if want is not None and [g if w is None or w == "L" else w for w, g in zip(want, got)] + got[len(want):] != got:
             raise BundleError(f"{graph_path}: {value.name} is {value.shape} in the graph but the manifest's "
                               f"{fields} make it {[w if w is not None else '?' for w in want]}; re-export the bundle")
     return session, placement
+
+
+def reads_bound_kv(session: ort.InferenceSession, spec: ModelSpec) -> bool:
+    """Whether the graph reads its K/V as bound, [B, Hkv, L, D] with L the pass's window
+    (export/onnx_export.py read_bound_kv), not [B, Hkv, max_seq, D]: the graph contract's KV
+    shape, read from the graph."""
+    if not spec.kv_names:
+        return False
+    name = spec.kv_names[0][0]
+    shape = next(v.shape for v in session.get_inputs() if v.name == name)
+    return isinstance(shape[2], str)
+
+
+# KV capacity (a graph that reads its K/V as bound): each sequence's slots are laid out at a stride
+# of C slots, C a little above the pass's window, so the buffer bound at [B, Hkv, C, D] is the live
+# prefix and no operator copies it out. C moves in steps of about a sixteenth of itself (at least
+# CAPACITY_STEP): the slots read past the window are a few percent, and a growing context is laid
+# out again once every step (a copy of the live K/V: at 3k tokens of SmolLM2 fp16 K/V, 69 MB once
+# every 256 tokens).
+CAPACITY_STEP = 64
+
+
+def capacity_step(slots: int) -> int:
+    return max(CAPACITY_STEP, 1 << max(0, slots.bit_length() - 4))
+
+
+def kv_capacity(need: int, max_seq: int) -> int:
+    """The capacity C for `need` slots: need rounded up to its step, at most max_seq.
+
+    >>> [kv_capacity(n, 8192) for n in (1, 64, 65, 300, 3072, 3073, 6000)]
+    [64, 64, 128, 320, 3072, 3328, 6144]
+    >>> kv_capacity(120, 100)
+    100
+    """
+    step = capacity_step(need)
+    return min(max_seq, -(-need // step) * step)
 
 
 def _allocate(shape, dtype, device: Device) -> ort.OrtValue:
@@ -545,8 +585,19 @@ class OrtEngine(EngineBase):
             value.update_inplace(np.zeros(shape, dtype=spec.kv_dtype))
         self._kv_dtype = np.dtype(spec.kv_dtype)
         self._slot_bytes = [int(np.prod(shape[1:])) * self._kv_dtype.itemsize for shape in shapes]
-        # on the CPU, host views of the whole buffers [max_batch, Hkv, S, D] (writing them writes the buffers)
-        self.kv = [v.numpy() for v in self._kv_values] if placement.device.kind == "cpu" else None
+        on_cpu = placement.device.kind == "cpu"
+        # KV capacity (see kv_capacity): a graph reading its K/V as bound has them laid out at `capacity`
+        # slots a sequence, moved as the passes' windows need (on the CPU; elsewhere, and in captured
+        # passes, which replay the shapes they were captured with, always max_seq)
+        self.windowed = reads_bound_kv(session, spec)
+        self._movable = self.windowed and on_cpu and not placement.capture
+        self.capacity = max_seq
+        self._ends = np.zeros(max_batch, dtype=np.int64)  # per slot: the positions a later pass may read
+        self._pinned = np.ones(max_batch, dtype=bool)  # per slot: its K/V keep the capacity up (see release)
+        self._flat = [v.numpy().reshape(-1) for v in self._kv_values] if on_cpu else None
+        # on the CPU, host views of the whole buffers [max_batch, Hkv, capacity, D] (writing them writes
+        # the buffers; laid out again, they are new views)
+        self.kv = [v.numpy() for v in self._kv_values] if on_cpu else None
         self._stages: dict[int, _Stage] = {}  # by T
         self._takes_rows = spec.logits_rows
         # uncaptured passes by (T, last row only): their binding, and the window its mask has
@@ -605,8 +656,16 @@ class OrtEngine(EngineBase):
     def resumable(self, length: int, slot: int = 0) -> int:
         """The longest prefix of `slot`, at most `length` tokens, a pass may start after (a model
         with recurrent states keeps them at recent positions only; K/V alone allow any)."""
+        if self._movable:  # a released slot laid out at a smaller capacity keeps that many
+            length = min(length, int(self._ends[slot]))
         states = self.slot_states[slot]
         return states.resumable(length) if states else length
+
+    def release(self, slot: int) -> None:
+        """The slot's K/V are kept only while they cost nothing: no longer do they hold the KV
+        capacity up for the passes over other slots (a finished request's, kept for a later prompt
+        that shares it); laid out at a smaller capacity, `resumable` says how much is left."""
+        self._pinned[slot] = False
 
     @property
     def kv_bytes_per_sequence(self) -> int:
@@ -650,6 +709,8 @@ class OrtEngine(EngineBase):
         captured = self.placement.capture and t <= self.placement.capture_max_t
         last = last and t > 1 and not captured and self._takes_rows
         window = window_length(start, t, MIN_WINDOW if captured else None, self.max_seq)
+        if self.windowed:
+            window = self._fit(window, 0, 1)
         stage = self._stages.get(t)
         if stage is None:  # allocated once per T, on the first pass of that length
             stage = self._stages[t] = _Stage(t, self.max_seq, self.spec.logits_width, self.placement.device,
@@ -680,6 +741,8 @@ class OrtEngine(EngineBase):
                 self.states.fail()
             raise BundleError(f"{self.name}: ONNX Runtime failed a pass of {t} tokens at {start} "
                               f"({_reason(e)})") from None
+        finally:
+            self._ends[0], self._pinned[0] = start + t, True
         if self.states:
             self.states.commit()
         for name, array in stage.features_out.items():
@@ -704,6 +767,8 @@ class OrtEngine(EngineBase):
             raise InputError(f"{self.name}: batched passes run on the CPU, over a target or a draft model "
                              "(an EAGLE-3 head runs one sequence a pass)")
         window = int(starts.max()) + t
+        if self.windowed:
+            window = self._fit(window, first, b)
         mask = np.empty((b, 1, t, window), np.float32)
         positions = starts[:, None] + np.arange(t, dtype=np.int64)
         for i in range(b):
@@ -734,6 +799,8 @@ class OrtEngine(EngineBase):
             self.session.run_with_iobinding(binding)
         except RuntimeError as e:
             raise BundleError(f"{self.name}: ONNX Runtime failed a pass of {b}x{t} tokens ({_reason(e)})") from None
+        finally:
+            self._ends[first : first + b], self._pinned[first : first + b] = starts + t, True
         if outputs is not None:  # each sequence's states after the returned rows, kept by position in its slot
             for i in range(b):
                 self.slot_states[first + i].store(int(starts[i]) + t - rows + 1, [out[i] for out in outputs], rows)
@@ -774,6 +841,7 @@ class OrtEngine(EngineBase):
         `source` (a prompt another sequence has prefilled already)."""
         for buffer in self.kv:
             buffer[dest, :, start:end] = buffer[source, :, start:end]
+        self._ends[dest], self._pinned[dest] = end, True
         if self.slot_features is not None:
             self.slot_features[dest, start:end] = self.slot_features[source, start:end]
         if self.states:  # the state at `end` (the caller asks resumable(end, source) first)
@@ -790,18 +858,53 @@ class OrtEngine(EngineBase):
             keep = buffer[a, :, :length_a].copy()
             buffer[a, :, :length_b] = buffer[b, :, :length_b]
             buffer[b, :, :length_a] = keep
+        self._ends[a], self._ends[b] = min(length_b, self._ends[b]), min(length_a, self._ends[a])
+        self._pinned[[a, b]] = self._pinned[[b, a]]
         if self.slot_features is not None:  # the hidden states at the same positions move with them
             keep = self.slot_features[a, :length_a].copy()
             self.slot_features[a, :length_b] = self.slot_features[b, :length_b]
             self.slot_features[b, :length_a] = keep
 
+    # -- KV capacity ------------------------------------------------------------------------
+    def _fit(self, need: int, first: int, b: int) -> int:
+        """The window of a pass over slots first..first+B-1 that reads `need` slots, for a graph that
+        reads its K/V as bound: the capacity, laid out again first where it is too small, or (by
+        two steps or more) too large for the pass and every other slot's K/V (but released ones)."""
+        if not self._movable:
+            return self.max_seq
+        others = np.concatenate((self._ends[:first], self._ends[first + b :]))[
+            np.concatenate((self._pinned[:first], self._pinned[first + b :]))]
+        need = max(need, int(others.max()) if others.size else 0)
+        if need > self.capacity or need <= self.capacity - 2 * capacity_step(self.capacity):
+            self._lay_out(kv_capacity(need, self.max_seq))
+        return self.capacity
+
+    def _lay_out(self, capacity: int) -> None:
+        """Lay every buffer's slots out at `capacity` a sequence: each (slot, KV head) row's first
+        positions (those any slot may still read) moved to its place at the new stride, the rows
+        taken in the order that reads each before anything overwrites it."""
+        old, keep = self.capacity, int(min(self.capacity, capacity, self._ends.max()))
+        for i, flat in enumerate(self._flat):
+            heads, dim = self.spec.kv_shapes[i]
+            rows = range(1, self.max_batch * heads)
+            for r in reversed(rows) if capacity > old else rows:
+                flat[r * capacity * dim : (r * capacity + keep) * dim] = flat[r * old * dim : (r * old + keep) * dim]
+        self.capacity = capacity
+        np.minimum(self._ends, capacity, out=self._ends)  # a released slot's K/V past it are gone
+        self.kv = [flat[: self.max_batch * heads * capacity * dim].reshape(self.max_batch, heads, capacity, dim)
+                   for flat, (heads, dim) in zip(self._flat, self.spec.kv_shapes)]
+        self._bindings.clear()  # each bound the buffers at the old stride
+        self._windows.clear()
+        self._batch_bindings.clear()
+
     # -- bindings --------------------------------------------------------------------------
     def _bind_kv(self, binding: ort.IOBinding, first: int, b: int) -> ort.IOBinding:
-        """Bind slots first..first+B-1 of every KV buffer, by address, as [B, Hkv, S, D] in and out."""
+        """Bind slots first..first+B-1 of every KV buffer, by address, as [B, Hkv, C, D] in and out
+        (C: the capacity they are laid out at; max_seq but for a graph reading them as bound)."""
         device = self.placement.device
         for i, ((inp, out), value) in enumerate(zip(self.spec.kv_names, self._kv_values)):
-            shape = [b, *self.spec.kv_shape(i, 1, self.max_seq)[1:]]
-            address = value.data_ptr() + first * self._slot_bytes[i]
+            shape = [b, *self.spec.kv_shape(i, 1, self.capacity)[1:]]
+            address = value.data_ptr() + first * (self._slot_bytes[i] // self.max_seq) * self.capacity
             binding.bind_input(inp, device.kind, device.index, self._kv_dtype, shape, address)
             binding.bind_output(out, device.kind, device.index, self._kv_dtype, shape, address)
         return binding

@@ -526,6 +526,9 @@ class BatchSession(Prompts):
         self._move(lane, len(self._lanes) - 1)
         keep = not lane.req.private and self.prompt_cache
         self._held[lane.slot] = (lane.ids[: lane.end].copy(), lane.kv_length) if keep else None
+        self.target.release(lane.slot)  # held for a later prompt while it costs the running lanes nothing
+        if self.draft is not None:
+            self.draft.release(lane.slot)
         self._lanes.remove(lane)
         try:
             if lane.lengths is not None:  # the batch's draft graph

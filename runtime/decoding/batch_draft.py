@@ -41,6 +41,10 @@ class BatchDraft:
         self.fed[[a, b]] = self.fed[[b, a]]
         self.length[[a, b]] = self.length[[b, a]]
 
+    def release(self, slot: int) -> None:
+        """A finished lane's slot: its draft K/V kept while they cost nothing (Engine.release)."""
+        self.engine.release(slot)
+
     def forget(self, slot: int | None = None) -> None:
         """Trust nothing a slot holds (every slot's: None): a private request's text, or K/V a
         failed pass may have half written."""
@@ -210,6 +214,9 @@ class BatchHeads:
     def forget(self, slot: int | None = None) -> None:
         for h in self.heads if slot is None else [self.heads[slot]]:
             h.reset()
+
+    def release(self, slot: int) -> None:
+        """Nothing: each head's K/V are its own, the target's slot is released by the batch."""
 
     def propose(self, lanes: list, ks: list[int], min_confidence: list[float]) -> list[Proposal | None]:
         """As BatchDraft.propose: lane i (in slot i) drafts up to ks[i] tokens with its slot's head."""

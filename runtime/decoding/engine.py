@@ -125,6 +125,11 @@ class EngineBase:
         self.runs += 1
         return self._forward_batch(tokens, starts, first, last, pad, layouts)
 
+    def release(self, slot: int) -> None:
+        """Slot `slot`'s K/V need be kept only while they cost the other slots' passes nothing (a
+        finished request's, kept for a later prompt that shares it): `resumable` then says how
+        much of them is left. Engines that lay their slots out once keep them whole."""
+
     def _forward(self, token_ids: np.ndarray, start: int, tree, last: bool, features) -> np.ndarray:
         raise NotImplementedError
 
