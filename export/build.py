@@ -579,9 +579,10 @@ def build_bundle(
             check_layer_windows(source.config, max_seq, max_draft, str(source.path))
             aux = getattr(recipe, "aux_layers", None) if role == "target" else None
             model_kv = KV_CHOICES[kv_dtype] if kv_dtype and role == "target" else None
-            # K/V read as bound at the window: the CPU's graphs, but for a target whose K/V a Gemma 4
-            # assistant reads (its graph takes them [1, Hkv, max_seq, D], as the target's slots lie)
-            windowed = device == "cpu" and model_attention == "exact" and not (
+            # K/V read as bound at the window: an int graph for the CPU (ONNX Runtime's alone: a float
+            # graph may become TensorRT plans, whose KV write wants a static sequence dimension), but
+            # for a target whose K/V a Gemma 4 assistant reads (its graph takes them [1, Hkv, max_seq, D])
+            windowed = device == "cpu" and model_attention == "exact" and model_dtype in SCHEMES and not (
                 role == "target" and recipe.kind == "assistant")
             key = None
             if graphs is not None:

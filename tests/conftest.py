@@ -76,6 +76,7 @@ BUNDLES = {
     "mistral-model": ("mistral", "mistral_draft"),
     "llama-self-int8": ("llama", "self:dtype=int8"),  # the target itself, quantized, as its draft
     "llama-self-int4": ("llama", "self:layers=1,dtype=int4"),
+    "llama-int8-ngram": ("llama", "ngram", {"dtype": "int8"}),  # an int graph: its K/V read as bound
 }
 
 
@@ -90,11 +91,12 @@ def bundles(models, shared):
 
     def get(name):
         if name not in built:
-            target, draft = BUNDLES[name]
+            target, draft, *options = BUNDLES[name]
             draft = str(models[draft]) if draft in models else draft
             built[name] = once(root, name, lambda out: build_bundle(
                 models[target], draft, out, max_seq=MAX_SEQ, max_draft=8, prefill_chunk=PREFILL_CHUNK,
-                cache=shared / "graphs"))  # one target graph for every draft kind (test_graph_cache.py)
+                cache=shared / "graphs", **(options[0] if options else {})))  # one target graph for every draft
+            # kind (test_graph_cache.py)
         return built[name]
 
     return get

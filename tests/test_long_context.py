@@ -1,6 +1,7 @@
 """Long contexts, exactly: on a tiny model with a few hundred slots of context, a verify
 pass's rows equal single steps bit for bit, and greedy speculative output equals plain and
-Hugging Face `generate`, with float32 KV buffers and with float16 ones (export --kv-dtype)."""
+Hugging Face `generate`, with float32 KV buffers and with float16 ones (export --kv-dtype), and
+on an int8 graph, which reads its K/V as bound, at capacities that move with the window."""
 import numpy as np
 import pytest
 import torch
@@ -19,12 +20,18 @@ NEW_TOKENS = 96
 @pytest.fixture(scope="module")
 def long_bundles(models, tmp_path_factory):
     """The tiny Llama with itself as its draft (each draft token its target's own choice, so
-    verify passes commit many rows), its KV buffers float32 and float16."""
+    verify passes commit many rows), its KV buffers float32 and float16; and int8 (float16 K/V,
+    read as bound: runtime/backends/ort.py kv_capacity), its draft its own int8 copy."""
     root = tmp_path_factory.mktemp("long")
     for kv in ("fp32", "fp16"):
         build_bundle(models["llama"], str(models["llama"]), root / kv, max_seq=MAX_SEQ, max_draft=8, prefill_chunk=64,
                      kv_dtype=kv)
-    return {kv: root / kv for kv in ("fp32", "fp16")}
+    build_bundle(models["llama"], str(models["llama"]), root / "int8", max_seq=MAX_SEQ, max_draft=8, prefill_chunk=64,
+                 dtype="int8")
+    return {kv: root / kv for kv in ("fp32", "fp16", "int8")}
+
+
+KV_DTYPE = {"fp32": "float32", "fp16": "float16", "int8": "float16"}
 
 
 def long_prompt(session: Session, tokens: int) -> list[int]:
@@ -34,11 +41,11 @@ def long_prompt(session: Session, tokens: int) -> list[int]:
     return ids[:tokens]
 
 
-@pytest.mark.parametrize("kv", ["fp32", "fp16"])
+@pytest.mark.parametrize("kv", ["fp32", "fp16", "int8"])
 def test_verify_rows_equal_single_steps_deep_in_the_context(kv, long_bundles):
     session = Session(long_bundles[kv])
     spec = session.bundle.model("target")
-    assert spec.kv_dtype == {"fp32": "float32", "fp16": "float16"}[kv]
+    assert spec.kv_dtype == KV_DTYPE[kv]
     engine = OrtEngine.from_bundle(session.bundle, spec)
     ids = np.array(long_prompt(session, 440), np.int64)
     for start in range(0, 300, 64):
@@ -52,7 +59,7 @@ def test_verify_rows_equal_single_steps_deep_in_the_context(kv, long_bundles):
             assert np.array_equal(step[0], rows[i]), (start, i)
 
 
-@pytest.mark.parametrize("kv", ["fp32", "fp16"])
+@pytest.mark.parametrize("kv", ["fp32", "fp16", "int8"])
 def test_long_prompt_speculative_equals_plain_and_hf_generate(kv, long_bundles, models):
     session = Session(long_bundles[kv])
     session.eos_token_ids = []  # decode every requested token, to the end of the buffer
@@ -73,8 +80,7 @@ def test_long_prompt_speculative_equals_plain_and_hf_generate(kv, long_bundles, 
             assert plain.token_ids == ref, length
 
 
-@pytest.mark.parametrize("kv", ["fp32", "fp16"])
-def test_the_kv_capacity_follows_the_window_and_keeps_what_is_read(kv, long_bundles):
+def test_the_kv_capacity_follows_the_window_and_keeps_what_is_read(long_bundles):
     """The target reads its K/V as bound, laid out at a capacity a little above each pass's window
     (runtime/backends/ort.py kv_capacity): grown as a context lengthens, shrunk for a shorter
     prompt that reuses a cached prefix, grown again. Every generation equals the same request in a
@@ -82,7 +88,7 @@ def test_the_kv_capacity_follows_the_window_and_keeps_what_is_read(kv, long_bund
     prefixes are reused across each move."""
     import onnx
 
-    session, fresh = Session(long_bundles[kv]), Session(long_bundles[kv], prompt_cache=False)
+    session, fresh = Session(long_bundles["int8"]), Session(long_bundles["int8"], prompt_cache=False)
     session.eos_token_ids = fresh.eos_token_ids = []
     graph = onnx.load(str(session.bundle.file("target.onnx")), load_external_data=False).graph
     kv_names = {v.name for v in graph.input if v.name.startswith("past_")}
@@ -109,7 +115,7 @@ def test_a_batch_lets_a_finished_requests_long_kv_go_and_reuses_what_is_left(lon
     from specdeploy.runtime import BatchSession
     from test_batch import joined_generations
 
-    bundle = long_bundles["fp16"]
+    bundle = long_bundles["int8"]
     alone = Session(bundle, prompt_cache=False)
     alone.eos_token_ids = []
     batched = BatchSession(bundle, batch=2)

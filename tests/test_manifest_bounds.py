@@ -68,6 +68,8 @@ def test_a_manifest_that_is_a_link_is_refused(copy_of, tmp_path):
     ("llama-ngram", lambda m: m["models"]["target"].__setitem__("dtype", "fp16"),
      "the graph's dtype is 'fp32', the manifest says 'fp16'"),
     ("llama-ngram", lambda m: m["models"]["target"].__setitem__("kv_layout", [[2, 16], [2, 32], [2, 16]]),
+     "past_key_1 is ['B', 2, 128, 16] in the graph but the manifest's num_kv_heads, max_seq, head_dim make it ['?', 2, 128, 32]"),
+    ("llama-int8-ngram", lambda m: m["models"]["target"].__setitem__("kv_layout", [[2, 16], [2, 32], [2, 16]]),
      "past_key_1 is ['B', 2, 'L', 16] in the graph but the manifest's num_kv_heads, head_dim make it ['?', 2, 'L', 32]"),
 ])
 def test_settings_that_contradict_the_graph_are_refused_when_it_loads(copy_of, bundle, change, fragment):

@@ -233,27 +233,14 @@ def test_a_single_step_reads_zeros_over_its_window_after_a_padded_one():
     assert (mask[:31] == 0).all()
 
 
-@pytest.fixture(scope="module")
-def sliced(models, tmp_path_factory):
-    """The tiny Llama exported for CUDA: its attention slices the window out of [B, Hkv, max_seq, D]
-    buffers (a graph for the CPU reads them as bound instead), so captured passes bucket windows."""
-    from conftest import MAX_SEQ, PREFILL_CHUNK
-    from specdeploy.export import build_bundle
-
-    out = tmp_path_factory.mktemp("cuda") / "llama-model"
-    build_bundle(models["llama"], str(models["llama_draft"]), out, max_seq=MAX_SEQ, max_draft=8,
-                 prefill_chunk=PREFILL_CHUNK, device="cuda")
-    return out
-
-
-def test_captured_bookkeeping_gives_the_same_logits(sliced):
+def test_captured_bookkeeping_gives_the_same_logits(bundles):
     """Passes with per-shape bindings, graph ids and bucketed windows (what CUDA graphs need)
     against the plain CPU engine: the padded window's masked slots add exact zeros."""
     from specdeploy.runtime import load_bundle
 
-    bundle = load_bundle(sliced)
+    bundle = load_bundle(bundles(BUNDLE))
     captured, plain = _engines(bundle, True)["target"], _engines(bundle, False)["target"]
-    assert not captured.windowed
+    assert not captured.windowed  # a float graph slices its window out of the buffers
     ids = np.random.default_rng(0).integers(0, plain.vocab_size, size=bundle.max_seq)
     passes = [(0, 16), (16, 16), (32, 30), (62, 1), (63, 1), (64, 9), (65, 4), (69, 1), (70, 9), (118, 9)]
     for start, t in passes:
@@ -270,13 +257,14 @@ def test_captured_bookkeeping_gives_the_same_logits(sliced):
 
 
 def test_a_graph_reading_its_kv_as_bound_is_captured_at_max_seq(bundles):
-    """A CPU bundle's graph reads its K/V as bound, laid out at a capacity the host moves (numpy):
-    captured passes replay fixed addresses and shapes, so there it binds them at max_seq, every
-    window max_seq (masked past each pass), the same logits as the CPU engine's capacities."""
+    """An int graph for the CPU reads its K/V as bound, laid out at a capacity the host moves
+    (numpy): captured passes replay fixed addresses and shapes, so there it binds them at max_seq,
+    every window max_seq (masked past each pass), the same logits as the CPU engine's capacities."""
     from specdeploy.runtime import load_bundle
 
-    bundle = load_bundle(bundles(BUNDLE))
-    captured, plain = _engines(bundle, True)["target"], _engines(bundle, False)["target"]
+    bundle = load_bundle(bundles("llama-int8-ngram"))
+    captured, plain = (OrtEngine.from_bundle(bundle, bundle.model("target"), device="cpu", capture=capture)
+                       for capture in (True, False))
     assert captured.windowed and plain.windowed
     ids = np.random.default_rng(0).integers(0, plain.vocab_size, size=bundle.max_seq)
     for start, t in [(0, 16), (16, 16), (32, 30), (62, 1), (63, 1), (64, 9), (65, 4), (118, 9)]:

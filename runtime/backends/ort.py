@@ -7,6 +7,11 @@ its small inputs up in one `update_inplace` and its logits come back once: on a 
 host-to-device and one device-to-host copy; on the CPU the same calls are memcpys and the
 logits a view. The CPU and the GPU run the same lines; only the provider list differs.
 
+A graph exported for the CPU reads its K/V as bound, [B, Hkv, L, D] at the pass's window L
+(export/onnx_export.py read_bound_kv): on the CPU the engine lays each buffer's slots out at a
+capacity a little above the window (`kv_capacity`, `_fit`), so what it binds is the live prefix;
+captured passes and GPUs bind it at max_seq.
+
 CUDA graphs (ONNX Runtime's `enable_cuda_graph`, on by default on CUDA): a captured graph
 replays the addresses and shapes it was captured with, so every pass shape (T up to the
 largest verify pass, attention window L bucketed to a power of two by `window_length`) gets
@@ -577,7 +582,7 @@ class OrtEngine(EngineBase):
         self.providers = session.get_providers()
         self.max_batch = max_batch
         # Allocated once on the device and zero-filled: slots past the length hold finite values,
-        # so a padded window's masked slots add exact zeros. Slot b is the [Hkv, S, D] block at
+        # so a padded window's masked slots add exact zeros. Slot b is the [Hkv, C, D] block at
         # b * its size: a run of neighbouring slots is itself a buffer of the graph's shape.
         shapes = [spec.kv_shape(i, max_batch, max_seq) for i in range(len(spec.kv_names))]
         self._kv_values = [_allocate(shape, spec.kv_dtype, placement.device) for shape in shapes]
@@ -677,7 +682,7 @@ class OrtEngine(EngineBase):
 
     @property
     def kv_arrays(self) -> list[np.ndarray]:
-        """Host views of slot 0's KV buffers, [1, Hkv, S, D] each (CPU only): writing them
+        """Host views of slot 0's KV buffers, [1, Hkv, C, D] each (C: the capacity; CPU only): writing them
         writes the buffers."""
         if self.placement.device.kind != "cpu":
             raise AttributeError(f"kv_arrays: the KV buffers live on {self.device}; read them with kv_values")
