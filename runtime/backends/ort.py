@@ -7,7 +7,7 @@ its small inputs up in one `update_inplace` and its logits come back once: on a 
 host-to-device and one device-to-host copy; on the CPU the same calls are memcpys and the
 logits a view. The CPU and the GPU run the same lines; only the provider list differs.
 
-A graph exported for the CPU reads its K/V as bound, [B, Hkv, L, D] at the pass's window L
+An int8/int4 graph exported for the CPU reads its K/V as bound, [B, Hkv, L, D] at the pass's window L
 (export/onnx_export.py read_bound_kv): on the CPU the engine lays each buffer's slots out at a
 capacity a little above the window (`kv_capacity`, `_fit`), so what it binds is the live prefix;
 captured passes and GPUs bind it at max_seq.
