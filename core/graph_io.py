@@ -168,3 +168,13 @@ def check_pass(name: str, token_ids: np.ndarray, start: int, max_seq: int, vocab
         raise InputError(
             f"{name}: token id {int(token_ids[i])} at input position {i} is outside the vocabulary [0, {vocab_size})"
         )
+
+
+def bypass_nodes(graph, nodes, rename: dict[str, str]) -> None:
+    """Remove `nodes` from an ONNX `graph`; whatever read a name in `rename` reads its replacement."""
+    for node in nodes:
+        graph.node.remove(node)
+    for node in graph.node:
+        for i, name in enumerate(node.input):
+            if name in rename:
+                node.input[i] = rename[name]

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from specdeploy.core.choices import NUMPY_DTYPES
-from specdeploy.core.graph_io import GRAPH_FACTS, LOGITS_ROWS, attention_mask, io_names
+from specdeploy.core.graph_io import GRAPH_FACTS, LOGITS_ROWS, attention_mask, bypass_nodes, io_names
 from specdeploy.core.manifest import EXTERNAL_DATA, ModelSpec
 from specdeploy.core.errors import ExportError
 
@@ -198,13 +198,7 @@ def read_bound_kv(model) -> int:
     graph = model.graph
     kv = {v.name for v in list(graph.input) + list(graph.output) if v.name.startswith(("past_", "present_"))}
     cut = [n for n in graph.node if n.op_type == "Slice" and n.input[0] in kv]
-    rename = {n.output[0]: n.input[0] for n in cut}
-    for n in cut:
-        graph.node.remove(n)
-    for n in graph.node:
-        for i, name in enumerate(n.input):
-            if name in rename:
-                n.input[i] = rename[name]
+    bypass_nodes(graph, cut, {n.output[0]: n.input[0] for n in cut})
     for value in list(graph.input) + list(graph.output):
         if value.name in kv:
             dims = value.type.tensor_type.shape.dim

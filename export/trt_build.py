@@ -20,7 +20,7 @@ from typing import Callable
 import numpy as np
 
 from specdeploy.core.errors import BundleError, ExportError, InputError
-from specdeploy.core.graph_io import LOGITS_ROWS
+from specdeploy.core.graph_io import LOGITS_ROWS, bypass_nodes
 from specdeploy.core.manifest import Manifest, load_bundle, sha256_file, verify_files, write_manifest
 from specdeploy.core.trt_profiles import ARGMAX, Profile, batch_inputs, profiles_for
 
@@ -109,12 +109,7 @@ def every_row(model):
         drop.append(node)
     if {o.name for o in graph.output} & (rows | set(readers)):
         raise ExportError(f"{LOGITS_ROWS}: a graph output is computed from it directly")
-    for node in drop:
-        graph.node.remove(node)
-    for node in graph.node:
-        for j, name in enumerate(node.input):
-            if name in readers:
-                node.input[j] = readers[name]
+    bypass_nodes(graph, drop, readers)
     for info in [v for v in graph.value_info if v.name in rows | set(readers)]:
         graph.value_info.remove(info)
     graph.input.remove(next(i for i in graph.input if i.name == LOGITS_ROWS))
