@@ -84,6 +84,7 @@ class Stepper:
             rng = np.random.default_rng(len(self.kv))
             self.kv[value.name] = (rng.standard_normal(shape) * 0.1).astype(dtype).reshape(-1)
         self.names = {v.name for v in self.session.get_inputs()}
+        self.kv_shapes = {v.name: (v.shape[1], v.shape[3]) for v in past}  # (Hkv, D) of each buffer
 
     def bind(self, token_ids: np.ndarray, start: int) -> ort.IOBinding:
         """A pass of `token_ids` written at `start`, every row's logits asked for (the first
@@ -103,15 +104,11 @@ class Stepper:
                 b.bind_cpu_input(name, value)
         b.bind_output("logits")
         for name, flat in self.kv.items():
-            heads, dim = self.session_shape(name)
+            heads, dim = self.kv_shapes[name]
             shape = [1, heads, slots, dim]
             b.bind_input(name, "cpu", 0, flat.dtype, shape, flat.ctypes.data)
             b.bind_output(name.replace("past_", "present_"), "cpu", 0, flat.dtype, shape, flat.ctypes.data)
         return b
-
-    def session_shape(self, name: str) -> tuple[int, int]:
-        shape = next(v.shape for v in self.session.get_inputs() if v.name == name)
-        return shape[1], shape[3]
 
     def binding(self, length: int) -> ort.IOBinding:
         """A single step at slot length - 1: attention over L = `length` slots."""

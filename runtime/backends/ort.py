@@ -602,7 +602,7 @@ class OrtEngine(EngineBase):
         self._flat = [v.numpy().reshape(-1) for v in self._kv_values] if on_cpu else None
         # on the CPU, host views of the whole buffers [max_batch, Hkv, capacity, D] (writing them writes
         # the buffers; laid out again, they are new views)
-        self.kv = [v.numpy() for v in self._kv_values] if on_cpu else None
+        self.kv = self._views() if on_cpu else None
         self._stages: dict[int, _Stage] = {}  # by T
         self._takes_rows = spec.logits_rows
         # uncaptured passes by (T, last row only): their binding, and the window its mask has
@@ -896,11 +896,16 @@ class OrtEngine(EngineBase):
                 flat[r * capacity * dim : (r * capacity + keep) * dim] = flat[r * old * dim : (r * old + keep) * dim]
         self.capacity = capacity
         np.minimum(self._ends, capacity, out=self._ends)  # a released slot's K/V past it are gone
-        self.kv = [flat[: self.max_batch * heads * capacity * dim].reshape(self.max_batch, heads, capacity, dim)
-                   for flat, (heads, dim) in zip(self._flat, self.spec.kv_shapes)]
+        self.kv = self._views()
         self._bindings.clear()  # each bound the buffers at the old stride
         self._windows.clear()
         self._batch_bindings.clear()
+
+    def _views(self) -> list[np.ndarray]:
+        """Each buffer's slots as laid out now: [max_batch, Hkv, capacity, D] over its memory."""
+        c = self.capacity
+        return [flat[: self.max_batch * heads * c * dim].reshape(self.max_batch, heads, c, dim)
+                for flat, (heads, dim) in zip(self._flat, self.spec.kv_shapes)]
 
     # -- bindings --------------------------------------------------------------------------
     def _bind_kv(self, binding: ort.IOBinding, first: int, b: int) -> ort.IOBinding:
